@@ -1,0 +1,32 @@
+# `make demo` and `make test` bootstrap .venv themselves (idempotent).
+# GPU users: make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu126"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.incluster-installed
+
+.PHONY: demo test bench typecheck clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev,plot]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/incluster demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+bench: $(STAMP)
+	$(PY) bench/save_overhead.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info
