@@ -1,0 +1,5 @@
+import sys
+
+from incluster.cli import main
+
+sys.exit(main())

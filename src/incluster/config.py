@@ -1,0 +1,68 @@
+"""Checkpointer options: validated, documented, and the one place INCLUSTER_* is read."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from incluster.tiers.local import check_job
+
+DEFAULT_LOCAL_DIR = "/dev/shm/incluster"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Resolved options of one Checkpointer (picklable: it crosses process boundaries)."""
+
+    local_dir: str
+    """Tier 0: this node's RAM-disk folder (``INCLUSTER_LOCAL_DIR``, default /dev/shm/incluster)."""
+    job: str
+    """Namespace of this job's files (default ``TORCHELASTIC_RUN_ID``, else "default")."""
+    node: str
+    """This node's identity (``INCLUSTER_NODE``, default the host name)."""
+    keep: int = 2
+    """Slot files per shard; the newest committed step is never overwritten."""
+    allow_pickle: bool = False
+    """Store objects that are not tensors/JSON with pickle. Loading them can run code."""
+    slot_timeout_s: float = 300.0
+    """Longest wait for a free slot, for staging, or for a commit before an error."""
+    fsync: bool = False
+    """msync/fsync shards and sidecars (for a local_dir on a real disk; tmpfs needs none)."""
+    run_dir: str | None = None
+    """Folder for goodput event logs (``INCLUSTER_RUN_DIR``); None records nothing."""
+
+    def __post_init__(self) -> None:
+        check_job(self.job)
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"keep must be an integer >= 1 (got {self.keep!r})")
+        if not self.slot_timeout_s > 0:
+            raise ValueError(f"slot_timeout_s must be > 0 (got {self.slot_timeout_s!r})")
+        if not self.node or "/" in self.node:
+            raise ValueError(f"node must be a non-empty name without '/' (got {self.node!r})")
+
+
+def resolve(
+    *,
+    local_dir: str | os.PathLike[str] | None = None,
+    job: str | None = None,
+    node: str | None = None,
+    keep: int = 2,
+    allow_pickle: bool = False,
+    slot_timeout_s: float = 300.0,
+    fsync: bool = False,
+    run_dir: str | os.PathLike[str] | None = None,
+) -> Config:
+    """Fill unset options from the environment, then validate."""
+    env = os.environ
+    rd = run_dir if run_dir is not None else env.get("INCLUSTER_RUN_DIR")
+    return Config(
+        local_dir=os.path.abspath(os.fspath(local_dir or env.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR)),
+        job=job or env.get("INCLUSTER_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default",
+        node=node or env.get("INCLUSTER_NODE") or socket.gethostname(),
+        keep=keep,
+        allow_pickle=allow_pickle,
+        slot_timeout_s=slot_timeout_s,
+        fsync=fsync,
+        run_dir=os.fspath(rd) if rd else None,
+    )

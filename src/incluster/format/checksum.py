@@ -1,0 +1,93 @@
+"""Chunked xxh3-64 checksums over every byte of a shard file.
+
+Chunked so a verifier can stream and several threads can share the work: xxhash's C
+code releases the GIL, so hashing runs beside the trainer's Python thread.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from incluster.errors import CorruptCheckpointError
+
+ALGO = "xxh3_64"
+DEFAULT_CHUNK = 64 * 1024 * 1024
+_pool: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="incluster-hash")
+    return _pool
+
+
+@dataclass(frozen=True)
+class Checksum:
+    """Digests of consecutive ``chunk``-byte pieces of a ``size``-byte buffer."""
+
+    size: int
+    chunk: int
+    digests: tuple[str, ...]
+    algo: str = ALGO
+
+    def to_json(self) -> dict[str, Any]:
+        return {"algo": self.algo, "size": self.size, "chunk": self.chunk, "digests": list(self.digests)}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> "Checksum":
+        try:
+            algo, size, chunk, digests = obj["algo"], obj["size"], obj["chunk"], obj["digests"]
+        except (TypeError, KeyError):
+            raise CorruptCheckpointError(f"{where}: checksum record is malformed") from None
+        if algo != ALGO:
+            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {algo!r}")
+        ok = type(size) is int and type(chunk) is int and size >= 0 and chunk > 0
+        if not ok or not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
+            raise CorruptCheckpointError(f"{where}: checksum record has bad fields")
+        if len(digests) != max(1, -(-size // chunk)):
+            raise CorruptCheckpointError(f"{where}: checksum record has {len(digests)} digests for {size} bytes")
+        return cls(size=size, chunk=chunk, digests=tuple(digests), algo=algo)
+
+
+def _digest(view: memoryview) -> str:
+    return format(xxhash.xxh3_64_intdigest(view), "016x")
+
+
+def compute(buf: Any, size: int | None = None, chunk: int = DEFAULT_CHUNK) -> Checksum:
+    """Checksum the first ``size`` bytes of a buffer (mmap, bytes, memoryview)."""
+    view = memoryview(buf).cast("B")
+    n = view.nbytes if size is None else size
+    try:
+        pieces = [view[i : min(i + chunk, n)] for i in range(0, n, chunk)] or [view[0:0]]
+        if len(pieces) == 1:
+            digests = [_digest(pieces[0])]
+        else:
+            digests = list(_executor().map(_digest, pieces))
+        for p in pieces:
+            p.release()
+    finally:
+        view.release()
+    return Checksum(size=n, chunk=chunk, digests=tuple(digests))
+
+
+def verify(buf: Any, expected: Checksum, where: str) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``buf`` matches ``expected`` exactly."""
+    n = memoryview(buf).nbytes
+    if n != expected.size:
+        raise CorruptCheckpointError(
+            f"{where}: {n} bytes on disk but the commit record says {expected.size} (truncated or padded)"
+        )
+    got = compute(buf, expected.size, expected.chunk)
+    for i, (a, b) in enumerate(zip(got.digests, expected.digests)):
+        if a != b:
+            lo = i * expected.chunk
+            raise CorruptCheckpointError(
+                f"{where}: checksum mismatch in bytes {lo}..{min(lo + expected.chunk, n)}; "
+                f"this copy is corrupt - a replica or an older step will be used"
+            )

@@ -1,0 +1,134 @@
+"""The sidecar commit record ``step-N.json``: a shard exists iff its sidecar exists.
+
+Written last, atomically (temporary name, fsync, rename), after the shard's checksum is
+computed. Holds everything that is not tensor bytes: identity (job, step, rank, world,
+node), the shard's size and chunk checksums, the state tree with its JSON leaves and
+DTensor placements, the structure fingerprint and the creation time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from incluster.errors import CorruptCheckpointError
+from incluster.format.checksum import Checksum
+
+SIDECAR_FORMAT = "incluster-sidecar"
+SIDECAR_VERSION = 1
+MAX_SIDECAR_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    node: str
+    shard: str  # file name of the shard, relative to the sidecar's folder
+    checksum: Checksum
+    fingerprint: str
+    tree: Any
+    created: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": SIDECAR_FORMAT,
+            "version": SIDECAR_VERSION,
+            "job": self.job,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "node": self.node,
+            "shard": self.shard,
+            "checksum": self.checksum.to_json(),
+            "fingerprint": self.fingerprint,
+            "tree": self.tree,
+            "created": self.created,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> "Sidecar":
+        if not isinstance(obj, dict) or obj.get("format") != SIDECAR_FORMAT:
+            raise CorruptCheckpointError(f"{where}: not an incluster sidecar")
+        if obj.get("version") != SIDECAR_VERSION:
+            raise CorruptCheckpointError(
+                f"{where}: sidecar version {obj.get('version')!r} is not supported by this incluster "
+                f"(expects {SIDECAR_VERSION}); upgrade incluster"
+            )
+        try:
+            sc = cls(
+                job=obj["job"],
+                step=obj["step"],
+                rank=obj["rank"],
+                world_size=obj["world_size"],
+                node=obj["node"],
+                shard=obj["shard"],
+                checksum=Checksum.from_json(obj["checksum"], where),
+                fingerprint=obj["fingerprint"],
+                tree=obj["tree"],
+                created=obj["created"],
+                extra=obj.get("extra", {}),
+            )
+        except KeyError as exc:
+            raise CorruptCheckpointError(f"{where}: sidecar lacks field {exc}") from None
+        ints = (sc.step, sc.rank, sc.world_size)
+        if not all(type(v) is int and v >= 0 for v in ints) or sc.rank >= max(sc.world_size, 1):
+            raise CorruptCheckpointError(f"{where}: sidecar has invalid step/rank/world_size {ints}")
+        strs = (sc.job, sc.node, sc.shard, sc.fingerprint)
+        if not all(isinstance(v, str) for v in strs) or not isinstance(sc.extra, dict):
+            raise CorruptCheckpointError(f"{where}: sidecar has fields of the wrong type")
+        if os.sep in sc.shard or sc.shard.startswith(".") or (os.altsep and os.altsep in sc.shard):
+            raise CorruptCheckpointError(f"{where}: sidecar names a shard outside its folder ({sc.shard!r})")
+        return sc
+
+
+def write_sidecar(path: str, sidecar: Sidecar, fsync: bool = False) -> None:
+    """Write atomically: a reader sees the whole record or none of it."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    data = json.dumps(sidecar.to_json(), separators=(",", ":")).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(os.path.dirname(path))
+
+
+def read_sidecar(path: str) -> Sidecar:
+    """Read and validate a sidecar; :class:`CorruptCheckpointError` on anything odd."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot open sidecar ({exc.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_SIDECAR_BYTES:
+            raise CorruptCheckpointError(f"{path}: sidecar is {size} bytes, over the {MAX_SIDECAR_BYTES} cap")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read()
+    finally:
+        os.close(fd)
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: sidecar is not valid JSON ({exc})") from None
+    return Sidecar.from_json(obj, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

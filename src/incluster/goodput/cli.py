@@ -1,0 +1,219 @@
+"""``incluster goodput``: report a recorded run, plan a job's intervals, draw the figures.
+
+Registered into the top-level parser by ``incluster.cli`` through ``register``; each
+sub-command sets ``func`` (args -> exit status). Output is rich tables, or JSON with
+``--json``. Errors the user can fix (a missing folder, a bad costs file) print one line and
+return 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any, Callable
+
+from incluster.goodput import scenarios
+from incluster.goodput.model import ModelConfig, ModelResult, TierConfig, evaluate, young_interval
+from incluster.goodput.scenarios import CONFIGURATIONS, INCLUSTER, Costs
+
+
+def _costs_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("costs (defaults: DESIGN.md §1; see docs/goodput.md)")
+    g.add_argument("--costs", metavar="FILE", help="JSON object of cost name: number")
+    for key in Costs.keys():
+        g.add_argument(f"--{key.replace('_', '-')}", dest=f"cost_{key}", type=float,
+                       metavar="X", help=f"default {getattr(Costs(), key):g}")
+    g.add_argument("--state-gib", type=float, default=1.0,
+                   help="checkpointed state per rank in GiB (default 1)")
+
+
+def _costs(args: argparse.Namespace) -> Costs:
+    costs = Costs.from_json(args.costs) if args.costs else Costs()
+    flags = {k: getattr(args, f"cost_{k}") for k in Costs.keys()}
+    return costs.updated({k: v for k, v in flags.items() if v is not None})
+
+
+def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, ImportError, OSError) as exc:
+            print(f"incluster goodput: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Print the goodput report of a run folder."""
+    from incluster.goodput.report import build_report, render
+
+    report = build_report(args.run_dir)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        render(report)
+    return 0
+
+
+def plan_config(args: argparse.Namespace) -> ModelConfig:
+    """The model config ``plan`` evaluates: a named configuration with the user's overrides."""
+    cfg = scenarios.build(args.config, _costs(args), state_gib=args.state_gib,
+                          interruptions_per_day=args.interruptions_per_day, gpus=args.gpus)
+    if args.persistent_every is not None:
+        tiers = tuple(
+            TierConfig(**{**asdict(t), "every": args.persistent_every})
+            if t.name == "persistent" and i > 0 else t
+            for i, t in enumerate(cfg.tiers)
+        )
+        cfg = ModelConfig(**{**asdict(cfg), "tiers": tiers})
+    if args.interval_s is not None:
+        cfg = ModelConfig(**{**asdict(cfg), "tiers": cfg.tiers, "interval_s": args.interval_s})
+    return cfg
+
+
+def _result_dict(cfg: ModelConfig, r: ModelResult) -> dict[str, Any]:
+    return {
+        "interval_s": r.interval_s,
+        "young_interval_s": young_interval(cfg.blocking_s, cfg.rate_per_s) if cfg.blocking_s else None,
+        "blocking_s": cfg.blocking_s,
+        "tiers": [
+            {"name": t.name, "serves_fraction": t.serves_fraction,
+             "time_to_recoverable_s": t.time_to_recoverable_s, "reload_s": t.reload_s,
+             "every": k, "interval_s": iv, "lost_per_failure_s": lost}
+            for t, k, iv, lost in zip(cfg.tiers, r.tier_every, r.tier_interval_s,
+                                      r.lost_per_failure_s)
+        ],
+        "badput_pct": {"checkpoint_save": 100 * r.save, "lost_progress": 100 * r.lost,
+                       "restart": 100 * r.restart, "checkpoint_load": 100 * r.reload,
+                       "total": 100 * r.badput},
+        "gpu_hours_per_day": r.gpu_hours_per_day,
+    }
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Recommend an interval per tier and print the expected badput."""
+    cfg = plan_config(args)
+    result = evaluate(cfg)
+    compare = {}
+    for name in CONFIGURATIONS:
+        other = scenarios.build(name, _costs(args), state_gib=args.state_gib,
+                                interruptions_per_day=args.interruptions_per_day, gpus=args.gpus)
+        compare[name] = evaluate(other)
+    if args.json:
+        out = {"config": args.config, "gpus": args.gpus, "state_gib": args.state_gib,
+               "interruptions_per_day": args.interruptions_per_day,
+               "plan": _result_dict(cfg, result),
+               "compare": {n: _result_dict(scenarios.build(
+                   n, _costs(args), state_gib=args.state_gib,
+                   interruptions_per_day=args.interruptions_per_day, gpus=args.gpus), r)
+                   for n, r in compare.items()}}
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    steps = result.interval_s / _costs(args).step_s
+    t = Table(title=f"plan: {args.config}; {args.gpus} GPUs, {args.interruptions_per_day:g} "
+                    f"interruptions/day, {args.state_gib:g} GiB/rank")
+    for col in ("tier", "serves", "recoverable after", "reload", "save every", "interval",
+                "lost per failure"):
+        t.add_column(col, justify="left" if col == "tier" else "right")
+    for tier, k, iv, lost in zip(cfg.tiers, result.tier_every, result.tier_interval_s,
+                                 result.lost_per_failure_s):
+        t.add_row(tier.name, f"{100 * tier.serves_fraction:.0f} %",
+                  f"{tier.time_to_recoverable_s:.2f} s", f"{tier.reload_s:.2f} s",
+                  "every save" if k == 1 else f"every {k}th", f"{iv:.1f} s", f"{lost:.1f} s")
+    con.print(t)
+    con.print(f"save every {result.interval_s:.1f} s of compute (~{steps:.0f} steps at "
+              f"{_costs(args).step_s:g} s/step); each save blocks {cfg.blocking_s * 1e3:.2f} ms")
+    b = Table(title="expected badput")
+    for col in ("category", "% of GPU time", "GPU-hours/day"):
+        b.add_column(col, justify="left" if col == "category" else "right")
+    gh = args.gpus * 24.0
+    for name, share in (("checkpoint save", result.save), ("lost progress", result.lost),
+                        ("checkpoint load", result.reload), ("restart", result.restart),
+                        ("total", result.badput)):
+        b.add_row(name, f"{100 * share:.3f}", f"{share * gh:.1f}")
+    con.print(b)
+    c = Table(title="each configuration at its optimal interval")
+    for col in ("configuration", "interval", "badput %", "of it checkpointing %", "GPU-h/day"):
+        c.add_column(col, justify="left" if col == "configuration" else "right")
+    for name, r in compare.items():
+        c.add_row(name, f"{r.interval_s:.1f} s", f"{100 * r.badput:.3f}",
+                  f"{100 * r.checkpoint_badput:.3f}", f"{r.gpu_hours_per_day:.1f}")
+    con.print(c)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Draw the talk's figure and print its numbers."""
+    from incluster.goodput.plot import plot_figure
+
+    curves = plot_figure(args.output, _costs(args), state_gib=args.state_gib,
+                         log_scale=not args.linear)
+    if args.json:
+        print(json.dumps({"rates": list(range(1, 21)), "badput_pct": curves}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"badput % from checkpointing ({args.output})")
+    t.add_column("configuration")
+    for rate in (1, 5, 10, 20):
+        t.add_column(f"{rate}/day", justify="right")
+    for name, ys in curves.items():
+        t.add_row(name, *(f"{ys[rate - 1]:.3f}" for rate in (1, 5, 10, 20)))
+    Console().print(t)
+    return 0
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    """Draw a recorded run's events per rank over time."""
+    from incluster.goodput.plot import plot_timeline
+
+    n = plot_timeline(args.run_dir, args.output)
+    print(f"wrote {args.output} ({n} events)")
+    return 0
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``goodput`` and its sub-commands to the top-level ``incluster`` parser."""
+    p = subparsers.add_parser("goodput", help="goodput report, interval planning, figures",
+                              description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="goodput_command", metavar="SUBCOMMAND", required=True)
+
+    r = sub.add_parser("report", help="where a recorded run's time went")
+    r.add_argument("run_dir", metavar="RUN_DIR")
+    r.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    r.set_defaults(func=_guard(cmd_report))
+
+    pl = sub.add_parser("plan", help="recommended interval per tier and expected badput")
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--interruptions-per-day", type=float, required=True)
+    pl.add_argument("--config", choices=CONFIGURATIONS, default=INCLUSTER,
+                    help=f"configuration to plan (default {INCLUSTER!r})")
+    pl.add_argument("--interval-s", type=float, help="evaluate this interval instead")
+    pl.add_argument("--persistent-every", type=int, help="fix every how many saves persist")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _costs_flags(pl)
+    pl.set_defaults(func=_guard(cmd_plan))
+
+    f = sub.add_parser("plot", help="the talk's figure: badput vs interruptions per day")
+    f.add_argument("-o", "--output", required=True, metavar="PNG")
+    f.add_argument("--linear", action="store_true", help="linear y axis (default log)")
+    f.add_argument("--json", action="store_true", help="print the curves as JSON")
+    _costs_flags(f)
+    f.set_defaults(func=_guard(cmd_plot))
+
+    tl = sub.add_parser("timeline", help="a recorded run's events per rank over time")
+    tl.add_argument("run_dir", metavar="RUN_DIR")
+    tl.add_argument("-o", "--output", required=True, metavar="PNG")
+    tl.set_defaults(func=_guard(cmd_timeline))
+    return p
+
+
+__all__ = ["cmd_plan", "cmd_plot", "cmd_report", "cmd_timeline", "plan_config", "register"]

@@ -1,0 +1,196 @@
+"""Event recording: the trainer-side half of goodput accounting.
+
+The ``Checkpointer`` (and a user's training loop, through ``record_step``) records what
+happened and when as JSON lines in a run folder the user chooses; ``goodput.report`` reads
+them back, across restarts, and turns them into a goodput report. Nothing here touches
+torch, and a recorder never raises out of ``record()`` because of a full disk or a closed
+file: losing an event must never stop training.
+
+One file per process: ``<run_dir>/events-rank{rank:05d}-pid{pid}.jsonl``. A process is one
+*attempt* of one rank; a restart is a new process, hence a new file that opens with a
+``start`` event. Every line holds ``t`` (wall time, seconds since the epoch), ``kind``,
+``rank``, ``pid`` and the kind's own fields (see the constants below).
+
+Cost: one ``json.dumps`` and a list append per event (a few microseconds). Lines are written
+to the file when a checkpoint-scale event arrives (anything but ``train_step``), every
+``flush_every`` events, and when ``flush_interval_s`` has passed since the last write, so a
+SIGKILLed process loses at most the ``train_step`` events of its last ``flush_interval_s``.
+The data reach the kernel (``write``), not the disk (no ``fsync``): a killed process loses
+nothing that was written; only a crashed kernel could.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+#: A process (one attempt of one rank) began. Fields: ``world_size``.
+START = "start"
+#: ``save()`` returned. Fields: ``step``, ``blocked_s`` (seconds it blocked the trainer).
+SAVE = "save"
+#: The state of a save was copied; tensors may be mutated. Fields: ``step``, ``seconds``
+#: (since ``save()`` was called).
+STAGED = "staged"
+#: A save became recoverable from a tier. Fields: ``step``, ``tier`` (one of ``TIERS``),
+#: ``seconds`` (since ``save()`` was called).
+DURABLE = "durable"
+#: A save failed in the background. Fields: ``step``, ``error`` (the message).
+SAVE_FAILED = "save_failed"
+#: ``load()`` finished. Fields: ``step`` (restored step, or null when nothing was found
+#: and training starts from scratch), ``source`` (where the bytes came from, e.g. "local",
+#: "replica", "persistent", "none"), ``bytes``, ``seconds`` (how long load() took).
+LOAD = "load"
+#: Training finished a step: its optimizer update is applied. Fields: ``step``. Optional;
+#: with it, lost progress is measured to the step instead of to the last save.
+TRAIN_STEP = "train_step"
+#: The run finished cleanly (``Checkpointer.close()`` after the last step). No fields.
+END = "end"
+
+KINDS = (START, SAVE, STAGED, DURABLE, SAVE_FAILED, LOAD, TRAIN_STEP, END)
+TIERS = ("local", "replica", "persistent")
+
+#: Kinds that are written at once: they are rare (checkpoint-scale) and the report needs them.
+_IMMEDIATE = frozenset(KINDS) - {TRAIN_STEP}
+
+
+def event_file_name(rank: int, pid: int) -> str:
+    """The file name one process writes its events to."""
+    return f"events-rank{rank:05d}-pid{pid}.jsonl"
+
+
+class EventRecorder:
+    """Appends events of one process to its JSON-lines file in ``run_dir``.
+
+    Thread-safe: the checkpointer records ``staged``/``durable`` from background threads.
+    ``clock`` returns wall time in seconds (``time.time``); tests pass a fake one.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        rank: int = 0,
+        *,
+        clock: Callable[[], float] = time.time,
+        flush_interval_s: float = 1.0,
+        flush_every: int = 256,
+    ) -> None:
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        if flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
+        if flush_every < 1:
+            raise ValueError(f"flush_every must be >= 1, got {flush_every}")
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.pid = os.getpid()
+        self._clock = clock
+        self._flush_interval_s = flush_interval_s
+        self._flush_every = flush_every
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._last_flush = time.monotonic()
+        self.dropped = 0  # events lost to an I/O error; visible, never raised
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / event_file_name(rank, self.pid)
+        self._file: Any = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """Record one event now. ``kind`` is one of ``KINDS``; fields must be JSON-able."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown event kind {kind!r}; use one of {', '.join(KINDS)}")
+        event = {"t": self._clock(), "kind": kind, "rank": self.rank, "pid": self.pid}
+        event.update(fields)
+        line = json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n"
+        with self._lock:
+            if self._file is None:
+                self.dropped += 1
+                return
+            self._pending.append(line)
+            if (
+                kind in _IMMEDIATE
+                or len(self._pending) >= self._flush_every
+                or time.monotonic() - self._last_flush >= self._flush_interval_s
+            ):
+                self._write_locked()
+
+    def flush(self) -> None:
+        """Write every pending event to the file."""
+        with self._lock:
+            if self._file is not None:
+                self._write_locked()
+
+    def close(self) -> None:
+        """Flush and close. Later ``record()`` calls are counted in ``dropped``."""
+        with self._lock:
+            if self._file is None:
+                return
+            self._write_locked()
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+
+    def _write_locked(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._pending:
+            return
+        lines, self._pending = self._pending, []
+        try:
+            self._file.write("".join(lines))
+            self._file.flush()
+        except OSError:
+            # WARNING: a full disk must not stop training; the loss is counted instead.
+            self.dropped += len(lines)
+
+    def __enter__(self) -> EventRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NullRecorder:
+    """A recorder that records nothing: used when the user gives no run folder."""
+
+    dropped = 0
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """Do nothing."""
+
+    def flush(self) -> None:
+        """Do nothing."""
+
+    def close(self) -> None:
+        """Do nothing."""
+
+    def __enter__(self) -> NullRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+#: A shared do-nothing recorder.
+NULL_RECORDER = NullRecorder()
+
+__all__ = [
+    "DURABLE",
+    "END",
+    "KINDS",
+    "LOAD",
+    "NULL_RECORDER",
+    "SAVE",
+    "SAVE_FAILED",
+    "STAGED",
+    "START",
+    "TIERS",
+    "TRAIN_STEP",
+    "EventRecorder",
+    "NullRecorder",
+    "event_file_name",
+]

@@ -1,0 +1,389 @@
+"""Goodput report: a recorded run's events (``goodput.events``) → where its time went.
+
+Reads every ``events-*.jsonl`` of a run folder (one file per process: one attempt of one
+rank; a restart is a new attempt) and accounts each rank's share of the run's wall-clock
+window ``[first start, last event]`` to exactly one category:
+
+- **checkpoint save**: seconds ``save()`` blocked the trainer (``save.blocked_s``).
+- **checkpoint load**: seconds ``load()`` took (``load.seconds``).
+- **lost progress**: time spent on steps that a later attempt computed again. Attempt *j*'s
+  work after the last moment it held a step <= S is lost, where S is the lowest step any
+  later attempt restored (``load.step``; null = from scratch = step -1). The moment a step
+  was held comes from ``train_step`` events, from ``save`` (``t - blocked_s``) and from
+  ``load`` ends. The attempt's work ends at its last event. Save and load time inside the
+  lost window stay in their own categories.
+- **restart / initialisation**: the gap between an attempt's last event and the next
+  attempt's start, plus each attempt's time from its start to its first progress marker
+  (a load's end, a step or a save), minus load time. Without a ``load`` or ``save`` the
+  first step's compute is counted here: the recorder cannot tell it from warm-up.
+- **other**: the part of the run's window a rank has no record for (it started later or
+  stopped earlier than the others).
+
+What remains is goodput. Categories are averaged over ranks (GPU-time weighted, as every
+rank spans the same window). A truncated last line (a writer killed mid-line) is skipped;
+a malformed line anywhere else is an error, because it means the file is damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from incluster.goodput import events as ev
+
+CATEGORIES = ("checkpoint_save", "checkpoint_load", "lost_progress", "restart", "other")
+
+
+@dataclass(kw_only=True)
+class Attempt:
+    """The events of one process: one attempt of one rank, in recorded order."""
+
+    rank: int
+    """The rank that wrote the file."""
+    pid: int
+    """The process id that wrote the file."""
+    path: Path
+    """The event file."""
+    events: list[dict[str, Any]]
+    """The decoded events, in file order."""
+    truncated: bool = False
+    """Whether a torn last line was skipped."""
+
+    @property
+    def start_t(self) -> float:
+        """Wall time the attempt began: its ``start`` event, else its first event."""
+        for e in self.events:
+            if e["kind"] == ev.START:
+                return float(e["t"])
+        return float(self.events[0]["t"])
+
+    @property
+    def last_t(self) -> float:
+        """Wall time of the attempt's last recorded event."""
+        return max(float(e["t"]) for e in self.events)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the attempt recorded a clean ``end``."""
+        return any(e["kind"] == ev.END for e in self.events)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        """The events of one kind."""
+        return [e for e in self.events if e["kind"] == kind]
+
+
+def read_file(path: Path) -> Attempt:
+    """Decode one event file; skip a torn last line, reject damage elsewhere."""
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    torn = lines[-1] != b""  # a complete file ends with a newline
+    if not torn:
+        lines = lines[:-1]
+    out: list[dict[str, Any]] = []
+    truncated = False
+    for i, line in enumerate(lines):
+        last = i == len(lines) - 1
+        try:
+            event = json.loads(line)
+            if not isinstance(event, dict) or "t" not in event or "kind" not in event:
+                raise ValueError("not an event object with 't' and 'kind'")
+            float(event["t"])
+        except (ValueError, TypeError) as exc:
+            if last and torn:
+                truncated = True
+                continue
+            raise ValueError(
+                f"{path}:{i + 1}: damaged event line ({exc}); only the last line of a file "
+                "may be torn (a killed writer). Move the file aside to report without it."
+            ) from exc
+        if last and torn:  # a complete JSON object without its newline is still whole
+            truncated = False
+        out.append(event)
+    if not out:
+        raise ValueError(f"{path} holds no complete event; delete it or record into it")
+    name = path.name  # events-rank00003-pid1234.jsonl
+    try:
+        rank = int(out[0].get("rank", name.split("-")[1][4:]))
+        pid = int(out[0].get("pid", name.split("-pid")[1].split(".")[0]))
+    except (IndexError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot tell rank and pid from the events or name") from exc
+    return Attempt(rank=rank, pid=pid, path=path, events=out, truncated=truncated)
+
+
+def read_run(run_dir: str | Path) -> dict[int, list[Attempt]]:
+    """Every attempt of every rank in ``run_dir``, each rank's attempts in start order."""
+    run = Path(run_dir)
+    files = sorted(run.glob("events-*.jsonl"))
+    if not files:
+        raise ValueError(
+            f"no events-*.jsonl in {run}: pass the folder the run recorded its events to"
+        )
+    by_rank: dict[int, list[Attempt]] = {}
+    for f in files:
+        a = read_file(f)
+        by_rank.setdefault(a.rank, []).append(a)
+    for attempts in by_rank.values():
+        attempts.sort(key=lambda a: a.start_t)
+    return dict(sorted(by_rank.items()))
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation, as numpy's default; None if empty."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be within 0..100, got {q}")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _num(e: dict[str, Any], key: str) -> float:
+    v = e.get(key)
+    return float(v) if isinstance(v, (int, float)) else 0.0
+
+
+def _marks(a: Attempt) -> list[tuple[float, float]]:
+    """(step, time) pairs at which the attempt held that step's state."""
+    out: list[tuple[float, float]] = []
+    for e in a.events:
+        step = e.get("step")
+        if e["kind"] == ev.TRAIN_STEP and isinstance(step, int):
+            out.append((step, float(e["t"])))
+        elif e["kind"] == ev.SAVE and isinstance(step, int):
+            out.append((step, float(e["t"]) - _num(e, "blocked_s")))
+        elif e["kind"] == ev.LOAD:
+            out.append((step if isinstance(step, int) else -1, float(e["t"])))
+    return out
+
+
+def _restored_step(a: Attempt) -> float | None:
+    """The step an attempt resumed from: its load's step (-1 = scratch), else inferred."""
+    loads = a.of(ev.LOAD)
+    if loads:
+        step = loads[0].get("step")
+        return step if isinstance(step, int) else -1
+    steps = [s for s, _ in _marks(a)]
+    return min(steps) - 1 if steps else None
+
+
+def _busy(a: Attempt, lo: float, hi: float) -> float:
+    """Save-blocked and load seconds of events recorded in (lo, hi]."""
+    total = 0.0
+    for e in a.events:
+        if lo < float(e["t"]) <= hi:
+            if e["kind"] == ev.SAVE:
+                total += _num(e, "blocked_s")
+            elif e["kind"] == ev.LOAD:
+                total += _num(e, "seconds")
+    return total
+
+
+def account_rank(attempts: list[Attempt], t0: float, t1: float) -> dict[str, float]:
+    """Seconds per category (and ``goodput``) for one rank within the window [t0, t1]."""
+    acc = dict.fromkeys(CATEGORIES, 0.0)
+    for a in attempts:
+        acc["checkpoint_save"] += sum(_num(e, "blocked_s") for e in a.of(ev.SAVE))
+        acc["checkpoint_load"] += sum(_num(e, "seconds") for e in a.of(ev.LOAD))
+    for j, a in enumerate(attempts):
+        marks = _marks(a)
+        progress_t = min((t for _, t in marks), default=a.last_t)
+        init = progress_t - a.start_t - _busy(a, a.start_t - 1e-9, progress_t)
+        acc["restart"] += max(0.0, init)
+        if j > 0:
+            acc["restart"] += max(0.0, a.start_t - attempts[j - 1].last_t)
+        later = [s for s in (_restored_step(b) for b in attempts[j + 1 :]) if s is not None]
+        if not later:
+            continue
+        redo_from = min(later)
+        held = [t for s, t in marks if s <= redo_from]
+        t_ref = max(held) if held else progress_t
+        lost = a.last_t - t_ref - _busy(a, t_ref, a.last_t)
+        acc["lost_progress"] += max(0.0, lost)
+    acc["other"] = max(0.0, attempts[0].start_t - t0) + max(0.0, t1 - attempts[-1].last_t)
+    acc["goodput"] = max(0.0, (t1 - t0) - sum(acc[c] for c in CATEGORIES))
+    return acc
+
+
+@dataclass(kw_only=True)
+class CheckpointStats:
+    """Checkpoint statistics over all ranks and attempts (seconds unless named otherwise)."""
+
+    saves: int
+    """``save()`` calls recorded."""
+    save_failures: int
+    """Saves that failed in the background."""
+    blocked_p50_s: float | None
+    """Median seconds ``save()`` blocked."""
+    blocked_p99_s: float | None
+    """99th percentile of seconds ``save()`` blocked."""
+    staged_p50_s: float | None
+    """Median seconds from ``save()`` to staged."""
+    staged_p99_s: float | None
+    """99th percentile of seconds from ``save()`` to staged."""
+    durable: dict[str, dict[str, float | None]]
+    """Per tier: ``count``, ``p50_s``, ``p99_s`` of seconds from ``save()`` to durable."""
+    loads: int
+    """``load()`` calls recorded."""
+    load_bytes: int
+    """Bytes restored by all loads."""
+    load_sources: dict[str, int]
+    """How many loads came from each source."""
+
+
+def checkpoint_stats(runs: dict[int, list[Attempt]]) -> CheckpointStats:
+    """Summarise every save, staged, durable and load event of a run."""
+    all_events = [e for attempts in runs.values() for a in attempts for e in a.events]
+
+    def of(kind: str) -> list[dict[str, Any]]:
+        return [e for e in all_events if e["kind"] == kind]
+
+    blocked = [_num(e, "blocked_s") for e in of(ev.SAVE)]
+    staged = [_num(e, "seconds") for e in of(ev.STAGED)]
+    durable: dict[str, dict[str, float | None]] = {}
+    for tier in sorted({str(e.get("tier")) for e in of(ev.DURABLE)}):
+        secs = [_num(e, "seconds") for e in of(ev.DURABLE) if str(e.get("tier")) == tier]
+        durable[tier] = {
+            "count": float(len(secs)),
+            "p50_s": percentile(secs, 50),
+            "p99_s": percentile(secs, 99),
+        }
+    sources: dict[str, int] = {}
+    for e in of(ev.LOAD):
+        src = str(e.get("source", "unknown"))
+        sources[src] = sources.get(src, 0) + 1
+    return CheckpointStats(
+        saves=len(blocked),
+        save_failures=len(of(ev.SAVE_FAILED)),
+        blocked_p50_s=percentile(blocked, 50),
+        blocked_p99_s=percentile(blocked, 99),
+        staged_p50_s=percentile(staged, 50),
+        staged_p99_s=percentile(staged, 99),
+        durable=durable,
+        loads=len(of(ev.LOAD)),
+        load_bytes=int(sum(_num(e, "bytes") for e in of(ev.LOAD))),
+        load_sources=sources,
+    )
+
+
+@dataclass(kw_only=True)
+class GoodputReport:
+    """Where a recorded run's time went. Seconds are means over ranks."""
+
+    run_dir: str
+    """The folder the events were read from."""
+    ranks: int
+    """Ranks that recorded events."""
+    attempts: int
+    """Most attempts (processes) any rank had; restarts = attempts - 1."""
+    wall_s: float
+    """Seconds from the first start to the last event of the run."""
+    goodput_s: float
+    """Seconds of progress that was kept."""
+    badput_s: dict[str, float]
+    """Seconds per category (``CATEGORIES``)."""
+    checkpoints: CheckpointStats
+    """Save, durable and load statistics."""
+    truncated_files: int = 0
+    """Files whose torn last line was skipped."""
+    per_rank: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Seconds per category and ``goodput`` for each rank."""
+
+    @property
+    def goodput_pct(self) -> float:
+        """Goodput as a percentage of wall time."""
+        return 100.0 * self.goodput_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def badput_pct(self) -> dict[str, float]:
+        """Badput per category as a percentage of wall time."""
+        w = self.wall_s
+        return {k: (100.0 * v / w if w > 0 else 0.0) for k, v in self.badput_s.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of the whole report."""
+        d = asdict(self)
+        d["goodput_pct"] = self.goodput_pct
+        d["badput_pct"] = self.badput_pct
+        d["per_rank"] = {str(k): v for k, v in self.per_rank.items()}
+        return d
+
+
+def build_report(run_dir: str | Path) -> GoodputReport:
+    """Read a run folder's events and account its wall time."""
+    runs = read_run(run_dir)
+    t0 = min(a.start_t for attempts in runs.values() for a in attempts)
+    t1 = max(a.last_t for attempts in runs.values() for a in attempts)
+    per_rank = {r: account_rank(attempts, t0, t1) for r, attempts in runs.items()}
+    n = len(per_rank)
+    mean = {k: sum(p[k] for p in per_rank.values()) / n for k in (*CATEGORIES, "goodput")}
+    return GoodputReport(
+        run_dir=str(run_dir),
+        ranks=n,
+        attempts=max(len(a) for a in runs.values()),
+        wall_s=t1 - t0,
+        goodput_s=mean["goodput"],
+        badput_s={k: mean[k] for k in CATEGORIES},
+        checkpoints=checkpoint_stats(runs),
+        truncated_files=sum(a.truncated for attempts in runs.values() for a in attempts),
+        per_rank=per_rank,
+    )
+
+
+def _fmt(x: float | None, unit: str = "s") -> str:
+    if x is None:
+        return "—"
+    return f"{x * 1e3:.1f} ms" if unit == "s" and x < 1 else f"{x:.2f} {unit}"
+
+
+def render(report: GoodputReport, console: Any = None) -> None:
+    """Print the report as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    head = Table(title=f"goodput of {report.run_dir}", show_header=False)
+    head.add_row("wall time", f"{report.wall_s:.1f} s")
+    head.add_row("ranks / attempts", f"{report.ranks} / {report.attempts}")
+    head.add_row("goodput", f"{report.goodput_pct:.2f} %  ({report.goodput_s:.1f} s)")
+    if report.truncated_files:
+        head.add_row("torn last lines skipped", str(report.truncated_files))
+    console.print(head)
+    bad = Table(title="badput (mean over ranks)")
+    for col in ("category", "seconds", "% of wall"):
+        bad.add_column(col, justify="left" if col == "category" else "right")
+    for k in CATEGORIES:
+        bad.add_row(k.replace("_", " "), f"{report.badput_s[k]:.2f}", f"{report.badput_pct[k]:.2f}")
+    console.print(bad)
+    c = report.checkpoints
+    st = Table(title="checkpoints")
+    for col in ("metric", "count", "p50", "p99"):
+        st.add_column(col, justify="left" if col == "metric" else "right")
+    st.add_row("save() blocked", str(c.saves), _fmt(c.blocked_p50_s), _fmt(c.blocked_p99_s))
+    st.add_row("save → staged", "", _fmt(c.staged_p50_s), _fmt(c.staged_p99_s))
+    for tier, d in c.durable.items():
+        st.add_row(f"save → durable ({tier})", str(int(d["count"] or 0)), _fmt(d["p50_s"]),
+                   _fmt(d["p99_s"]))
+    st.add_row("save failures", str(c.save_failures), "", "")
+    srcs = ", ".join(f"{k}: {v}" for k, v in sorted(c.load_sources.items()))
+    st.add_row("loads", str(c.loads), f"{c.load_bytes / 2**30:.2f} GiB", srcs)
+    console.print(st)
+
+
+__all__ = [
+    "CATEGORIES",
+    "Attempt",
+    "CheckpointStats",
+    "GoodputReport",
+    "account_rank",
+    "build_report",
+    "checkpoint_stats",
+    "percentile",
+    "read_run",
+    "render",
+]

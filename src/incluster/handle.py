@@ -1,0 +1,40 @@
+"""SaveHandle: what ``Checkpointer.save`` returns, two futures and the save's timings."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class SaveHandle:
+    """A save in flight.
+
+    ``staged``: the bytes are copied out; the state may be mutated again.
+    ``durable``: committed in every tier this save goes to (here: the node's RAM disk).
+    Timings are seconds from the ``save()`` call; ``None`` until reached.
+    """
+
+    step: int
+    staged: "Future[None]" = field(default_factory=Future)
+    durable: "Future[None]" = field(default_factory=Future)
+    started: float = field(default_factory=time.perf_counter)
+    blocked_s: float | None = None
+    staged_s: float | None = None
+    durable_s: float | None = None
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until staged; raises the staging error if there was one."""
+        self.staged.result(timeout)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until durable; raises the save's error if there was one."""
+        self.durable.result(timeout)
+
+    def done(self) -> bool:
+        return self.durable.done()
+
+    def __repr__(self) -> str:
+        state = "durable" if self.durable.done() else "staged" if self.staged.done() else "staging"
+        return f"SaveHandle(step={self.step}, {state})"

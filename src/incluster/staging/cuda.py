@@ -1,0 +1,96 @@
+"""The CUDA half of staging: pinned slot mappings, side-stream copies, event ordering.
+
+Flow for a save of GPU tensors (DESIGN §5 "Overlap with the forward pass"):
+1. ``save()`` records ``start`` on the compute stream (no host block) and returns;
+2. the staging thread makes a side stream wait on ``start``, enqueues the device->host
+   copies into the slot mapping (registered as pinned memory, so they are true async
+   DMA), and records ``done`` on the side stream;
+3. the optimizer pre-step hook makes the compute stream wait on ``done``: the GPU
+   orders the parameter update after the copies, the host never blocks.
+
+Only imported when CUDA is available; CPU-only runs never touch this module.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from incluster.errors import CheckpointError
+from incluster.staging.slots import Slot
+
+
+def register(slot: Slot) -> None:
+    """Page-lock the slot mapping so device->host copies into it run asynchronously."""
+    if slot.pinned or slot.buf is None or slot.size == 0:
+        return
+    err = torch.cuda.cudart().cudaHostRegister(slot.buf.data_ptr(), slot.size, 0)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise CheckpointError(
+            f"cudaHostRegister of a {slot.size}-byte checkpoint slot failed (CUDA error {code}); "
+            f"raise the locked-memory limit (ulimit -l) or use a smaller state per rank"
+        )
+    slot.pinned = True
+
+
+def unregister(slot: Slot) -> None:
+    if slot.pinned and slot.buf is not None:
+        torch.cuda.cudart().cudaHostUnregister(slot.buf.data_ptr())
+    slot.pinned = False
+
+
+def record_start() -> dict[int, torch.cuda.Event]:
+    """On the trainer thread, in save(): mark where the compute streams are now."""
+    events: dict[int, torch.cuda.Event] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        dev = torch.cuda.current_device()
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        events[dev] = ev
+    return events
+
+
+class CudaCopier:
+    """One side stream per device; enqueues copies after the save's start event."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def _stream(self, dev: int) -> torch.cuda.Stream:
+        s = self._streams.get(dev)
+        if s is None:
+            s = self._streams[dev] = torch.cuda.Stream(device=dev)
+        return s
+
+    def enqueue(
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        start: dict[int, torch.cuda.Event],
+    ) -> list[torch.cuda.Event]:
+        """Enqueue ``dst.copy_(src)`` for GPU sources; returns one done event per device."""
+        by_dev: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dst, src in pairs:
+            by_dev.setdefault(src.device.index or 0, []).append((dst, src))
+        done: list[torch.cuda.Event] = []
+        for dev, items in by_dev.items():
+            stream = self._stream(dev)
+            ev = start.get(dev)
+            if ev is not None:
+                stream.wait_event(ev)
+            else:  # a device save() did not mark: order after all its work so far
+                stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for dst, src in items:
+                    dst.copy_(src, non_blocking=True)
+                end = torch.cuda.Event()
+                end.record(stream)
+            done.append(end)
+        return done
+
+
+def wait_on_compute(done: Sequence[torch.cuda.Event]) -> None:
+    """Pre-step hook body: the compute stream waits for the copies; the host does not."""
+    for ev in done:
+        torch.cuda.current_stream().wait_event(ev)

@@ -1,0 +1,263 @@
+"""The slot ring: shard files in the node's RAM disk, allocated and mapped once, reused.
+
+A slot is a file plus one shared mapping of it. Saves copy into the mapping; the writer
+checksums it and renames it to ``step-N.safetensors``; the next save that takes the slot
+un-commits it (sidecar unlinked first), renames it to ``.staging-K`` and copies again
+into the same pages. Nothing is allocated per save, and no page is faulted in twice:
+a new or resized slot is ``posix_fallocate``-d and mapped with ``MAP_POPULATE``.
+
+A slot is reused only when the step it holds is older than the newest committed step,
+so the newest complete checkpoint is never destroyed; if no slot qualifies, ``acquire``
+waits (bounded) for the commit in flight.
+
+IMPORTANT: the ring is shared by the trainer thread (acquire), the staging thread
+(prepare) and the commit thread (mark_committed/release); every state change happens
+under ``self._cond``.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from incluster.errors import CheckpointError, PeerTimeoutError
+
+STAGING_PREFIX = ".staging-"
+_SHARD = re.compile(r"^step-(\d{12,})\.safetensors$")
+
+
+def step_file(step: int) -> str:
+    return f"step-{step:012d}.safetensors"
+
+
+def sidecar_file(step: int) -> str:
+    return f"step-{step:012d}.json"
+
+
+class SlotState(enum.Enum):
+    FREE = "free"  # holds nothing anyone needs
+    STAGING = "staging"  # a save is copying into it
+    COMMITTING = "committing"  # staged; the writer is checksumming and committing
+    COMMITTED = "committed"  # holds a committed step (its sidecar exists)
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    path: str
+    state: SlotState = SlotState.FREE
+    step: int | None = None
+    size: int = 0
+    fd: int = -1
+    mm: mmap.mmap | None = None
+    buf: torch.Tensor | None = None  # uint8 view of the whole mapping
+    header_fp: str | None = None  # layout whose header is written in the file
+    views: list[torch.Tensor] = field(default_factory=list)
+    maps: int = 0  # how many times this slot was (re)mapped: stays 1 while sizes match
+    pinned: bool = False  # mapping registered with CUDA as page-locked memory
+
+    def unmap(self) -> None:
+        self.views = []
+        self.buf = None
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping closes when it goes
+            self.mm = None
+        self.header_fp = None
+
+
+class SlotRing:
+    """``keep`` reusable shard files for one rank's shard, in ``folder``."""
+
+    def __init__(
+        self,
+        folder: str,
+        keep: int,
+        on_map: Callable[[Slot], None] | None = None,
+        on_unmap: Callable[[Slot], None] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        self.folder = folder
+        self.keep = keep
+        self.slots: list[Slot] = []
+        self.newest_committed: int | None = None
+        self._cond = threading.Condition()
+        self._on_map = on_map
+        self._on_unmap = on_unmap
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        self._adopt()
+
+    # -- start-up -------------------------------------------------------------------
+    def _adopt(self) -> None:
+        """Take over what a previous process left: committed steps stay loadable."""
+        names = set(os.listdir(self.folder))
+        shards = {int(m.group(1)): n for n in names if (m := _SHARD.match(n))}
+        committed = sorted(step for step in shards if sidecar_file(step) in names)
+        for step in committed[-self.keep :]:
+            self.slots.append(
+                Slot(len(self.slots), os.path.join(self.folder, step_file(step)), SlotState.COMMITTED, step)
+            )
+        if committed:
+            self.newest_committed = committed[-1]
+        torn_shards = {n for step, n in shards.items() if sidecar_file(step) not in names}
+        for n in sorted(names):  # torn saves: staging files and shards without a sidecar
+            full = os.path.join(self.folder, n)
+            torn = n.startswith(STAGING_PREFIX) or n in torn_shards
+            if torn or ".json.tmp-" in n:
+                if torn and len(self.slots) < self.keep and os.path.isfile(full):
+                    self.slots.append(Slot(len(self.slots), full, SlotState.FREE))
+                else:
+                    os.unlink(full)
+
+    # -- trainer thread ---------------------------------------------------------------
+    def acquire(self, step: int, timeout: float) -> Slot:
+        """Take a slot for ``step``: free, new, or holding a superseded step."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self.newest_committed is not None and step <= self.newest_committed:
+                raise CheckpointError(
+                    f"step {step} is not newer than the committed step {self.newest_committed}; "
+                    f"checkpoint steps must increase (continue from the step load() returned)"
+                )
+            while True:
+                slot = self._pick()
+                if slot is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeoutError(
+                        f"no checkpoint slot became free within {timeout:.0f} s: the previous saves are "
+                        f"still committing; save less often, raise keep, or raise slot_timeout_s"
+                    )
+                self._cond.wait(left)
+            self._uncommit(slot)
+            slot.state, slot.step = SlotState.STAGING, step
+            return slot
+
+    def acquire_new(self) -> Slot | None:
+        """A brand-new slot for pre-allocation, or None when the ring is full."""
+        with self._cond:
+            if len(self.slots) >= self.keep:
+                return None
+            idx = len(self.slots)
+            s = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"), SlotState.STAGING)
+            self.slots.append(s)
+            return s
+
+    def discard(self, step: int) -> None:
+        """Un-commit a step found corrupt: its sidecar goes, its slot becomes free."""
+        with self._cond:
+            try:
+                os.unlink(os.path.join(self.folder, sidecar_file(step)))
+            except FileNotFoundError:
+                pass
+            for s in self.slots:
+                if s.step == step and s.state is SlotState.COMMITTED:
+                    s.state, s.step = SlotState.FREE, None
+            steps = [s.step for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None]
+            self.newest_committed = max(steps) if steps else None
+            self._cond.notify_all()
+
+    def _pick(self) -> Slot | None:
+        for s in self.slots:
+            if s.state is SlotState.FREE:
+                return s
+        if len(self.slots) < self.keep:
+            idx = len(self.slots)
+            s = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"))
+            self.slots.append(s)
+            return s
+        old = [
+            s
+            for s in self.slots
+            if s.state is SlotState.COMMITTED and s.step is not None and s.step < (self.newest_committed or -1)
+        ]
+        return min(old, key=lambda s: s.step or 0) if old else None
+
+    def _uncommit(self, slot: Slot) -> None:
+        staging = os.path.join(self.folder, f"{STAGING_PREFIX}{slot.index}")
+        if slot.state is SlotState.COMMITTED and slot.step is not None:
+            try:  # the sidecar goes first: from here on the old step does not exist
+                os.unlink(os.path.join(self.folder, sidecar_file(slot.step)))
+            except FileNotFoundError:
+                pass
+        if slot.path != staging and os.path.exists(slot.path):
+            os.replace(slot.path, staging)
+        slot.path = staging
+
+    # -- staging thread ---------------------------------------------------------------
+    def prepare(self, slot: Slot, size: int) -> torch.Tensor:
+        """Make the slot exactly ``size`` bytes, mapped; returns the uint8 view."""
+        if slot.buf is not None and slot.size == size:
+            return slot.buf
+        if self._on_unmap is not None and slot.buf is not None:
+            self._on_unmap(slot)
+        slot.unmap()
+        if slot.fd < 0:
+            slot.fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        old = os.fstat(slot.fd).st_size
+        if old > size:
+            os.ftruncate(slot.fd, size)
+        elif old < size:
+            try:
+                os.posix_fallocate(slot.fd, 0, size)
+            except OSError as exc:
+                raise CheckpointError(
+                    f"cannot allocate {size} bytes for a checkpoint slot in {self.folder}: "
+                    f"{exc.strerror}; free space there (RAM disk full?) or point local_dir elsewhere"
+                ) from None
+        slot.size = size
+        if size:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            slot.mm = mmap.mmap(slot.fd, size, flags=flags)
+            slot.buf = torch.frombuffer(slot.mm, dtype=torch.uint8)
+        else:
+            slot.buf = torch.empty(0, dtype=torch.uint8)
+        slot.maps += 1
+        if self._on_map is not None:
+            self._on_map(slot)
+        return slot.buf
+
+    # -- commit thread ----------------------------------------------------------------
+    def set_state(self, slot: Slot, state: SlotState) -> None:
+        with self._cond:
+            slot.state = state
+            self._cond.notify_all()
+
+    def mark_committed(self, slot: Slot, step: int, path: str) -> None:
+        with self._cond:
+            slot.state, slot.step, slot.path = SlotState.COMMITTED, step, path
+            if self.newest_committed is None or step > self.newest_committed:
+                self.newest_committed = step
+            self._cond.notify_all()
+
+    def release(self, slot: Slot) -> None:
+        """A save failed: the slot holds nothing of value now."""
+        with self._cond:
+            slot.state, slot.step = SlotState.FREE, None
+            self._cond.notify_all()
+
+    def committed_steps(self) -> list[int]:
+        with self._cond:
+            return sorted(s.step for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None)
+
+    def close(self) -> None:
+        with self._cond:
+            for s in self.slots:
+                if self._on_unmap is not None and s.buf is not None:
+                    self._on_unmap(s)
+                s.unmap()
+                if s.fd >= 0:
+                    os.close(s.fd)
+                    s.fd = -1

@@ -1,0 +1,362 @@
+"""Flatten a training state into named tensors plus a JSON tree, and load it back in place.
+
+``flatten`` walks the user's state (Modules, Optimizers, anything Stateful, nested
+dicts/lists/tuples, tensors, DTensors, JSON leaves) and returns the unique tensors to
+store with their names, and a JSON tree that records every container, every leaf value
+and which name each tensor slot refers to. Tensors that are the same view of the same
+storage (tied weights) are stored once and referenced twice.
+
+``load_into`` walks the live state alongside a saved tree and copies stored bytes into
+the live tensors in place, rebuilding what does not exist yet (an optimizer that has not
+stepped) and calling ``load_state_dict`` where the object needs it.
+
+Tree nodes (JSON): ``{"T": name}`` tensor, ``{"D": name, ...placement}`` DTensor shard,
+``{"P": name}`` pickled object (uint8 bytes, only with ``allow_pickle``),
+``{"S": kind, "v": node}`` Stateful object's state_dict, ``{"d": [[key, node], ...]}``
+dict, ``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"v": value}`` JSON scalar,
+``{"f": float-or-"nan"/"inf"/"-inf"}`` float.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from incluster import dtensor
+from incluster.errors import CheckpointError
+from incluster.format.dtypes import dtype_name
+from incluster.format.layout import TensorSpec
+
+_SCALARS = (str, int, bool, type(None))
+
+
+@dataclass
+class Flat:
+    """The result of flattening: tensors to store, their specs, and the JSON tree."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    specs: list[TensorSpec] = field(default_factory=list)
+    tree: Any = None
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _escape(part: Any) -> str:
+    return str(part).replace("%", "%25").replace("/", "%2F")
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _float_node(x: float) -> dict[str, Any]:
+    if math.isnan(x):
+        return {"f": "nan"}
+    if math.isinf(x):
+        return {"f": "inf" if x > 0 else "-inf"}
+    return {"f": x}
+
+
+class _Captured:
+    """A Stateful object's ``state_dict()`` taken at save() time, walked later.
+
+    Module and Optimizer state dicts are fresh containers whose tensors stay unchanged
+    until the next ``optimizer.step()`` (which waits for staging), so they are walked on
+    the staging thread. Module buffers change in forward (BatchNorm statistics), so they
+    are cloned here, before save() returns.
+    """
+
+    __slots__ = ("kind", "sd", "buffers")
+
+    def __init__(self, kind: str, sd: Any, buffers: dict[int, torch.Tensor]) -> None:
+        self.kind, self.sd, self.buffers = kind, sd, buffers
+
+
+class _Rejected(Exception):
+    pass
+
+
+def snapshot(state: Mapping[str, Any], *, allow_pickle: bool = False) -> tuple[Any, list[torch.optim.Optimizer]]:
+    """The cheap, synchronous half of a save: capture every value that may change next.
+
+    Containers are rebuilt and JSON leaves captured; tensors are kept by reference.
+    Returns the snapshot and the optimizers found (their pre-step hook guards staging).
+    """
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"state must be a dict of named parts, e.g. {{'model': model, 'optim': optim}}, "
+            f"not a {type(state).__name__}"
+        )
+    optimizers: list[torch.optim.Optimizer] = []
+    with torch.no_grad():
+        try:
+            snap = _capture(state, optimizers, allow_pickle)
+        except _Rejected:
+            flatten_snapshot(state)  # walks again with paths, raising the precise error
+            raise
+    return snap, optimizers
+
+
+def _capture(obj: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bool = True) -> Any:
+    if isinstance(obj, torch.Tensor) or isinstance(obj, (str, int, float, type(None))):
+        return obj
+    if isinstance(obj, Mapping):
+        return {k: _capture(v, optimizers, allow_pickle) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_capture(v, optimizers, allow_pickle) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_capture(v, optimizers, allow_pickle) for v in obj)
+    if isinstance(obj, torch.nn.Module):
+        buffers = {b.data_ptr(): b.clone() for b in obj.buffers() if b.numel() > 0}
+        return _Captured("module", obj.state_dict(), buffers)
+    if isinstance(obj, torch.optim.Optimizer):
+        optimizers.append(obj)
+        return _Captured("optimizer", obj.state_dict(), {})
+    if is_stateful(obj):
+        return _Captured("stateful", _capture(obj.state_dict(), optimizers, allow_pickle), {})
+    if not allow_pickle:
+        raise _Rejected
+    return obj  # pickled by flatten
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.flat = Flat()
+        self.seen: dict[tuple[Any, ...], str] = {}
+        self.names: set[str] = set()
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def add_tensor(self, t: torch.Tensor, name: str) -> str:
+        shape = tuple(t.shape)
+        ptr = t.data_ptr()
+        if ptr:
+            key = (ptr, t.dtype, shape, t.stride(), t.device)
+            prior = self.seen.get(key)
+            if prior is not None:
+                return prior  # same view of the same storage: store once (tied weights)
+            self.seen[key] = name
+            clone = self.buffers.get(ptr)
+            if clone is not None and clone.shape == t.shape:
+                t = clone  # the value the buffer had when save() was called
+        if name in self.names:
+            raise CheckpointError(
+                f"{name}: two different values flatten to the same name; rename one of the keys "
+                f"(keys are joined with '/', and 0 and '0' are the same name)"
+            )
+        self.names.add(name)
+        spec = TensorSpec(name, dtype_name(t.dtype, name), shape)
+        self.flat.tensors.append(t)
+        self.flat.specs.append(spec)
+        self.flat.nbytes += spec.nbytes
+        return name
+
+    def walk(self, obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if dtensor.is_dtensor(obj):
+                name = self.add_tensor(dtensor.local_of(obj), path)
+                return {"D": name, **dtensor.describe(obj)}
+            return {"T": self.add_tensor(obj, path)}
+        if isinstance(obj, bool) or isinstance(obj, _SCALARS):
+            return {"v": obj}
+        if isinstance(obj, float):
+            return _float_node(obj)
+        if isinstance(obj, Mapping):
+            items = []
+            for k, v in obj.items():
+                if not isinstance(k, (str, int, float, bool, type(None))):
+                    raise CheckpointError(
+                        f"{path or '<state>'}: dict key {k!r} of type {type(k).__name__} cannot be "
+                        f"stored; use str or int keys"
+                    )
+                items.append([k, self.walk(v, f"{path}/{_escape(k)}" if path else _escape(k))])
+            return {"d": items}
+        if isinstance(obj, (list, tuple)):
+            tag = "t" if isinstance(obj, tuple) else "l"
+            return {tag: [self.walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, _Captured):
+            self.buffers.update(obj.buffers)
+            return {"S": obj.kind, "v": self.walk(obj.sd, path)}
+        if is_stateful(obj):
+            return self.walk(_capture(obj, self.flat.optimizers), path)
+        if self.allow_pickle:
+            data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            return {"P": self.add_tensor(torch.frombuffer(data, dtype=torch.uint8), path)}
+        raise CheckpointError(
+            f"{path}: cannot checkpoint a {type(obj).__module__}.{type(obj).__qualname__}; store "
+            f"tensors, Modules, Optimizers, objects with state_dict()/load_state_dict(), "
+            f"dicts/lists and JSON scalars, or pass allow_pickle=True if you trust every loader"
+        )
+
+
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> Flat:
+    """Snapshot and flatten ``state`` in one go. Raises CheckpointError naming the path."""
+    snap, optimizers = snapshot(state, allow_pickle=allow_pickle)
+    flat = flatten_snapshot(snap, allow_pickle=allow_pickle)
+    flat.optimizers = optimizers
+    return flat
+
+
+def flatten_snapshot(snap: Any, *, allow_pickle: bool = False) -> Flat:
+    """The slow half of a save (staging thread): names, specs, tied tensors, the tree."""
+    f = _Flattener(allow_pickle)
+    with torch.no_grad():
+        f.flat.tree = f.walk(snap, "")
+    return f.flat
+
+
+Fetch = Callable[[str], torch.Tensor]
+
+
+class _Loader:
+    def __init__(self, fetch: Fetch, allow_pickle: bool) -> None:
+        self.fetch = fetch
+        self.allow_pickle = allow_pickle
+
+    def value(self, node: Any, live: Any, path: str) -> Any:
+        """Rebuild ``node``; tensors are copied into ``live`` in place when it fits."""
+        if not isinstance(node, dict) or len(node) < 1:
+            raise CheckpointError(f"{path}: malformed tree node in the checkpoint record")
+        if "S" in node:
+            if live is None or not is_stateful(live):
+                raise CheckpointError(f"{path}: the checkpoint holds a {node['S']} here; pass the live object")
+            self.stateful(node, live, path)
+            return live
+        if "T" in node:
+            return self.tensor(node["T"], live, path)
+        if "D" in node:
+            dtensor.check_compatible(live, node, path)
+            self.tensor(node["D"], dtensor.local_of(live), path)
+            return live
+        if "v" in node:
+            return node["v"]
+        if "f" in node:
+            return float(node["f"])
+        if "d" in node:
+            return self.mapping(node["d"], live, path)
+        if "l" in node or "t" in node:
+            items = node.get("l", node.get("t"))
+            lives = list(live) if isinstance(live, (list, tuple)) and len(live) == len(items) else [None] * len(items)
+            out = [self.value(n, lv, f"{path}/{i}") for i, (n, lv) in enumerate(zip(items, lives))]
+            return tuple(out) if "t" in node else out
+        if "P" in node:
+            if not self.allow_pickle:
+                raise CheckpointError(
+                    f"{path}: this checkpoint holds a pickled object; loading it can run code. Pass "
+                    f"allow_pickle=True only if you trust whoever wrote this checkpoint"
+                )
+            return pickle.loads(self.fetch(node["P"]).numpy().tobytes())
+        raise CheckpointError(f"{path}: unknown tree node {sorted(node)} in the checkpoint record")
+
+    def tensor(self, name: str, live: Any, path: str) -> torch.Tensor:
+        src = self.fetch(name)
+        if isinstance(live, torch.Tensor) and not dtensor.is_dtensor(live):
+            if tuple(live.shape) != tuple(src.shape):
+                raise CheckpointError(
+                    f"{path}: the checkpoint holds shape {tuple(src.shape)} but the live tensor is "
+                    f"{tuple(live.shape)}; build the model with the same configuration before loading"
+                )
+            live.copy_(src)
+            return live
+        return src.clone()
+
+    def mapping(self, items: list[Any], live: Any, path: str) -> dict[Any, Any]:
+        live_map = live if isinstance(live, Mapping) else {}
+        out: dict[Any, Any] = {}
+        for key, child in items:
+            sub = f"{path}/{_escape(key)}" if path else _escape(key)
+            out[key] = self.value(child, live_map.get(key), sub)
+        return out
+
+    def stateful(self, node: dict[str, Any], obj: Any, path: str) -> None:
+        live_sd = obj.state_dict()
+        new_sd = self.value(node["v"], live_sd, path)
+        if node["S"] == "module" and _loaded_in_place(obj, live_sd, new_sd):
+            return  # every value was copied straight into the module's own storage
+        obj.load_state_dict(new_sd)
+
+
+def _loaded_in_place(module: torch.nn.Module, live_sd: Mapping[str, Any], new_sd: Mapping[str, Any]) -> bool:
+    if set(live_sd) != set(new_sd):
+        return False  # let load_state_dict report missing/unexpected keys
+    own = {t.data_ptr() for t in module.parameters()} | {t.data_ptr() for t in module.buffers()}
+    for k, v in new_sd.items():
+        if v is not live_sd[k] or not isinstance(v, torch.Tensor):
+            return False
+        local = dtensor.local_of(v) if dtensor.is_dtensor(v) else v
+        if local.numel() and local.data_ptr() not in own:
+            return False
+    return True
+
+
+def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> None:
+    """Give optimizers that have not stepped yet their state tensors, so load is in place.
+
+    Runs one step with zero gradients and a learning rate of 0 (parameters unchanged),
+    only for optimizers whose live state is empty while the checkpoint has state.
+    """
+    if not isinstance(tree, dict) or "d" not in tree:
+        return
+    for key, node in tree["d"]:
+        obj = state.get(key) if isinstance(state, Mapping) else None
+        if not (isinstance(obj, torch.optim.Optimizer) and isinstance(node, dict) and node.get("S") == "optimizer"):
+            continue
+        saved = dict((k, v) for k, v in node["v"].get("d", []))
+        if obj.state or not saved.get("state", {}).get("d"):
+            continue
+        params = [p for g in obj.param_groups for p in g["params"] if p.requires_grad]
+        grads = [p.grad for p in params]
+        lrs = [g.get("lr") for g in obj.param_groups]
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for g in obj.param_groups:
+                if "lr" in g:
+                    g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+            obj.step()
+        except Exception:  # noqa: BLE001 - e.g. LBFGS needs a closure: fall back to rebuilt tensors
+            obj.state.clear()
+        finally:
+            for g, lr in zip(obj.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+            for p, g in zip(params, grads):
+                p.grad = g
+
+
+def load_into(state: Mapping[str, Any], tree: Any, fetch: Fetch, *, allow_pickle: bool = False) -> None:
+    """Restore ``tree`` into the live ``state`` in place; raise naming any mismatch."""
+    if not isinstance(tree, dict) or "d" not in tree:
+        raise CheckpointError("checkpoint record has no state tree; it was not written by incluster")
+    saved_keys = [k for k, _ in tree["d"]]
+    missing = [k for k in state if k not in saved_keys]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint has no entry for {missing} (it holds {saved_keys}); load with the "
+            f"same state keys it was saved with"
+        )
+    loader = _Loader(fetch, allow_pickle)
+    with torch.no_grad():
+        init_lazy_optimizers(state, tree)
+        for key, node in tree["d"]:
+            if key not in state:
+                continue  # parts the caller did not ask for are left alone
+            live = state[key]
+            restored = loader.value(node, live, _escape(key))
+            if not is_stateful(live) and not isinstance(live, torch.Tensor):
+                _assign(state, key, live, restored)
+
+
+def _assign(state: Any, key: Any, live: Any, restored: Any) -> None:
+    """Put a restored container/leaf back, mutating live dicts/lists so references stay valid."""
+    if isinstance(live, dict) and isinstance(restored, dict):
+        live.clear()
+        live.update(restored)
+    elif isinstance(live, list) and isinstance(restored, list):
+        live[:] = restored
+    else:
+        state[key] = restored

@@ -1,0 +1,1 @@
+"""Storage tiers. ``local``: this node's RAM disk (slot files plus sidecars)."""

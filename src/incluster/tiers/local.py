@@ -1,0 +1,107 @@
+"""Tier 0, the node's RAM disk: where shards live, how they are listed and read back.
+
+Layout: ``<local_dir>/<job>/rank-RRRRR/step-SSSSSSSSSSSS.{safetensors,json}``; folders
+0700, files 0600. A step exists iff its sidecar exists (the commit marker); reading one
+validates the sidecar, the header and every checksum before any byte is handed out.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from typing import Any
+
+import torch
+
+from incluster.errors import CorruptCheckpointError
+from incluster.format.checksum import verify
+from incluster.format.dtypes import NAME_TO_DTYPE
+from incluster.format.reader import ShardHeader, header_length, parse_header
+from incluster.format.sidecar import Sidecar, read_sidecar
+from incluster.staging.slots import sidecar_file
+
+_SIDECAR = re.compile(r"^step-(\d{12,})\.json$")
+_JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_job(job: str) -> str:
+    if not isinstance(job, str) or not _JOB.match(job):
+        raise ValueError(
+            f"job {job!r} must be 1-128 characters of letters, digits, '.', '_' or '-', "
+            f"starting with a letter or digit (it names a folder)"
+        )
+    return job
+
+
+def rank_folder(local_dir: str, job: str, rank: int) -> str:
+    return os.path.join(local_dir, check_job(job), f"rank-{rank:05d}")
+
+
+def committed_steps(folder: str) -> list[int]:
+    """Steps with a sidecar in ``folder``, newest first (not yet verified)."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    return sorted((int(m.group(1)) for n in names if (m := _SIDECAR.match(n))), reverse=True)
+
+
+class ShardReader:
+    """A committed shard, verified, mapped copy-on-write; ``tensor(name)`` views into it."""
+
+    def __init__(self, folder: str, step: int, *, verify_checksum: bool = True) -> None:
+        self.sidecar: Sidecar = read_sidecar(os.path.join(folder, sidecar_file(step)))
+        if self.sidecar.step != step:
+            raise CorruptCheckpointError(f"{folder}: sidecar of step {step} says step {self.sidecar.step}")
+        self.path = os.path.join(folder, self.sidecar.shard)
+        self._mm: mmap.mmap | None = None
+        self._buf: torch.Tensor | None = None
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{self.path}: cannot open shard ({exc.strerror})") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.sidecar.checksum.size:
+                raise CorruptCheckpointError(
+                    f"{self.path}: {size} bytes on disk but the sidecar says {self.sidecar.checksum.size} "
+                    f"(truncated or overwritten)"
+                )
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            if verify_checksum:
+                verify(self._mm, self.sidecar.checksum, self.path)
+            n = header_length(self._mm[:8], size, self.path)
+            self.header: ShardHeader = parse_header(self._mm[: 8 + n], size, self.path)
+        except BaseException:
+            self.close()
+            raise
+        self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.file_size
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self.header.tensors.get(name)
+        if t is None or self._buf is None:
+            raise CorruptCheckpointError(f"{self.path}: the state tree names tensor {name!r} but the shard lacks it")
+        return self._buf[t.offset : t.offset + t.nbytes].view(NAME_TO_DTYPE[t.dtype]).view(t.shape)
+
+    def close(self) -> None:
+        self._buf = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with it
+            self._mm = None
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

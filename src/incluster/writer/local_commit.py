@@ -1,0 +1,61 @@
+"""The local commit of one staged shard: checksum, rename, sidecar (in that order).
+
+A crash at any point leaves either the previous state (no sidecar for this step) or the
+committed step; never a sidecar that vouches for bytes that were not all written.
+Pure file operations on a mapped buffer: usable from a thread or a writer process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from incluster.format.checksum import DEFAULT_CHUNK, compute
+from incluster.format.sidecar import Sidecar, write_sidecar
+from incluster.staging.slots import sidecar_file, step_file
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRequest:
+    """Everything the writer needs to commit a staged slot; picklable, no live objects."""
+
+    folder: str
+    staging_path: str
+    size: int
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    node: str
+    fingerprint: str
+    tree: Any
+    fsync: bool = False
+    chunk: int = DEFAULT_CHUNK
+
+
+def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:
+    """Checksum ``buf`` (the slot mapping), rename the slot, write the sidecar last.
+
+    Returns the committed shard path and its sidecar.
+    """
+    checksum = compute(buf, req.size, req.chunk)
+    if req.fsync and hasattr(buf, "flush"):
+        buf.flush()
+    final = os.path.join(req.folder, step_file(req.step))
+    os.replace(req.staging_path, final)
+    sidecar = Sidecar(
+        job=req.job,
+        step=req.step,
+        rank=req.rank,
+        world_size=req.world_size,
+        node=req.node,
+        shard=step_file(req.step),
+        checksum=checksum,
+        fingerprint=req.fingerprint,
+        tree=req.tree,
+        created=time.time(),
+    )
+    write_sidecar(os.path.join(req.folder, sidecar_file(req.step)), sidecar, fsync=req.fsync)
+    return final, sidecar
