@@ -57,7 +57,7 @@ class Checkpointer:
         self._writer = ThreadWriter()
         self._inflight: StageJob | None = None
         self._pending: list[SaveHandle] = []
-        self._errors: list[BaseException] = []
+        self._errors: list[tuple[SaveHandle, BaseException]] = []
         self._hooks: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -148,7 +148,7 @@ class Checkpointer:
             os.replace(final, job.slot.path if job.slot.path != final else final + ".torn")
         self.ring.release(job.slot)
         with self._lock:
-            self._errors.append(err)
+            self._errors.append((handle, err))
         for fut in (job.staged, handle.durable):
             if not fut.done():
                 fut.set_exception(err)
@@ -219,8 +219,10 @@ class Checkpointer:
     def _raise_errors(self) -> None:
         with self._lock:
             errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
+        for handle, err in errors:
+            if not handle.reported:
+                handle.reported = True
+                raise err
 
     def _check_usable(self) -> None:
         if self._closed:

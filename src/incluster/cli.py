@@ -19,9 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     showcase.register(sub)
 
-    from incluster.goodput import cli as goodput_cli
+    import importlib.util
 
-    goodput_cli.register(sub)
+    if importlib.util.find_spec("incluster.goodput.cli") is not None:
+        from incluster.goodput import cli as goodput_cli
+
+        goodput_cli.register(sub)
     return parser
 
 

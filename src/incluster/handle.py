@@ -23,14 +23,27 @@ class SaveHandle:
     blocked_s: float | None = None
     staged_s: float | None = None
     durable_s: float | None = None
+    reported: bool = False  # its error reached the caller; the Checkpointer won't raise it again
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until staged; raises the staging error if there was one."""
-        self.staged.result(timeout)
+        try:
+            self.staged.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self.reported = True
+            raise
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until durable; raises the save's error if there was one."""
-        self.durable.result(timeout)
+        try:
+            self.durable.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self.reported = True
+            raise
 
     def done(self) -> bool:
         return self.durable.done()

@@ -1,0 +1,1 @@
+"""Demonstrations run by ``incluster demo``."""

@@ -1,0 +1,48 @@
+"""Small builders shared by tests (not fixtures: plain functions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def tiny_model(seed: int = 0, width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width), torch.nn.ReLU(), torch.nn.Linear(width, 4)
+    )
+
+
+def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, model[0].in_features, generator=g)
+        model(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def clone_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """A deep copy of model and optimizer state, to compare against bit for bit."""
+    osd = optim.state_dict()
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optim_state": {
+            pid: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for pid, s in osd["state"].items()
+        },
+        "param_groups": [dict(g) for g in osd["param_groups"]],
+    }
+
+
+def assert_bitwise(model: torch.nn.Module, optim: torch.optim.Optimizer, ref: dict[str, Any]) -> None:
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref["model"][k]), f"model/{k} differs"
+        assert v.dtype == ref["model"][k].dtype
+    osd = optim.state_dict()
+    assert set(osd["state"]) == set(ref["optim_state"])
+    for pid, s in ref["optim_state"].items():
+        for k, v in s.items():
+            got = osd["state"][pid][k]
+            assert torch.equal(got, v) if torch.is_tensor(v) else got == v, f"optim state {pid}/{k} differs"
+    assert osd["param_groups"] == ref["param_groups"]

@@ -1,0 +1,218 @@
+"""The single-process Checkpointer: futures, slot reuse, commits, restores, failures."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import pytest
+import torch
+
+import incluster
+from incluster.staging.slots import sidecar_file, step_file
+
+from helpers import assert_bitwise, clone_state, tiny_model, train
+
+
+def _ckpt(local_dir, **kw):
+    return incluster.Checkpointer(local_dir=local_dir, job=kw.pop("job", "t"), **kw)
+
+
+def test_round_trip_of_model_and_adamw_after_steps(local_dir):
+    m, o = tiny_model(0), None
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    train(m, o, 3)
+    with _ckpt(local_dir) as ck:
+        h = ck.save(3, {"model": m, "optim": o, "extra": {"tokens": 96}})
+        h.wait()
+        assert h.staged.done() and h.durable.done()
+        assert 0 <= h.blocked_s <= h.staged_s <= h.durable_s
+    ref = clone_state(m, o)
+    m2 = tiny_model(5)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    state2 = {"model": m2, "optim": o2, "extra": {"tokens": 0}}
+    with _ckpt(local_dir) as ck:
+        assert ck.load(state2) == 3
+    assert_bitwise(m2, o2, ref)
+    assert state2["extra"] == {"tokens": 96}
+
+
+def test_load_with_nothing_saved_returns_none(local_dir):
+    with _ckpt(local_dir) as ck:
+        assert ck.load({"model": tiny_model()}) is None
+
+
+def test_each_save_holds_the_values_of_its_own_step(local_dir):
+    """Cached layouts must never re-save old bytes (the structure-cache bug class)."""
+    w = torch.zeros(1000)
+    with _ckpt(local_dir, keep=3) as ck:
+        for step in range(1, 6):
+            w.fill_(step)
+            ck.save(step, {"w": w}).wait()
+            target = {"w": torch.empty(1000)}
+        # keep=3: steps 3, 4, 5 remain; each must hold its own values
+        for step in (5,):
+            assert ck.load(target) == step
+            assert torch.equal(target["w"], torch.full((1000,), float(step)))
+    from incluster.tiers.local import ShardReader
+
+    for step in (3, 4, 5):
+        with ShardReader(os.path.join(local_dir, "t", "rank-00000"), step) as r:
+            assert torch.equal(r.tensor("w"), torch.full((1000,), float(step)))
+
+
+def test_slots_are_reused_same_inode_same_mapping(local_dir):
+    w = torch.randn(4096)
+    with _ckpt(local_dir, keep=2) as ck:
+        seen = {}
+        for step in range(6):
+            w.add_(1)
+            ck.save(step, {"w": w}).wait()
+            path = os.path.join(ck.folder, step_file(step))
+            slot = next(s for s in ck.ring.slots if s.step == step)
+            seen.setdefault(slot.index, set()).add((os.stat(path).st_ino, id(slot.mm), slot.maps))
+        assert len(ck.ring.slots) == 2
+        for index, variants in seen.items():
+            assert len(variants) == 1, f"slot {index} was re-created or remapped: {variants}"
+        files = sorted(os.listdir(ck.folder))
+    assert files == [sidecar_file(4), step_file(4), sidecar_file(5), step_file(5)]
+
+
+def test_structure_change_gets_a_new_layout_and_loads_correctly(local_dir):
+    with _ckpt(local_dir) as ck:
+        ck.save(1, {"a": torch.ones(10)}).wait()
+        ck.save(2, {"a": torch.ones(10), "b": torch.full((3, 3), 2.0)}).wait()
+        ck.save(3, {"a": torch.ones(20) * 3}).wait()
+        assert ck._stager.layouts.misses == 3
+        target = {"a": torch.zeros(20)}
+        assert ck.load(target) == 3
+        assert torch.equal(target["a"], torch.ones(20) * 3)
+
+
+def test_newest_committed_step_is_never_overwritten_while_a_save_is_pending(local_dir):
+    with _ckpt(local_dir, keep=2) as ck:
+        ck.save(1, {"w": torch.ones(8)}).wait()
+        ck.save(2, {"w": torch.ones(8) * 2}).wait()
+        ck.save(3, {"w": torch.ones(8) * 3})  # takes the slot of step 1, never step 2's
+        assert os.path.exists(os.path.join(ck.folder, sidecar_file(2)))
+        ck.wait()
+
+
+def test_steps_must_increase(local_dir):
+    with _ckpt(local_dir) as ck:
+        ck.save(5, {"w": torch.ones(2)}).wait()
+        with pytest.raises(incluster.CheckpointError, match="must increase"):
+            ck.save(5, {"w": torch.ones(2)})
+
+
+def test_optimizer_pre_step_hook_is_registered_and_waits_for_staging(local_dir):
+    m = tiny_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.5)
+    train(m, o, 1)
+    with _ckpt(local_dir) as ck:
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        h = ck.save(1, {"model": m, "optim": o})
+        assert len(ck._hooks) == 1
+        train(m, o, 1)  # mutates parameters; the hook must have let staging finish first
+        assert h.staged.done()
+        h.wait()
+    target = tiny_model(9)
+    with _ckpt(local_dir) as ck:
+        ck.load({"model": target, "optim": torch.optim.SGD(target.parameters(), lr=0.5)})
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not o._optimizer_step_pre_hooks  # removed on close
+
+
+def test_batchnorm_buffers_are_captured_when_save_is_called(local_dir):
+    m = tiny_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    train(m, o, 1)
+    with _ckpt(local_dir) as ck:
+        before = m[1].running_mean.clone()
+        h = ck.save(1, {"model": m})
+        m(torch.randn(8, 16) * 100)  # forward right after save(): updates running stats
+        h.wait()
+        target = tiny_model(3)
+        ck.load({"model": target})
+    assert torch.equal(target[1].running_mean, before)
+
+
+def test_save_killed_before_sidecar_leaves_previous_step_loadable(local_dir, monkeypatch):
+    """A crash between staging and the sidecar: the step does not exist, the older one loads."""
+    import incluster.writer.local_commit as lc
+
+    w = torch.arange(64.0)
+    with _ckpt(local_dir) as ck:
+        ck.save(1, {"w": w}).wait()
+
+        def crash(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(lc, "write_sidecar", crash)
+        h = ck.save(2, {"w": w + 1})
+        with pytest.raises(incluster.CommitError, match="No space left"):
+            h.wait()
+        monkeypatch.undo()
+        assert not os.path.exists(os.path.join(ck.folder, sidecar_file(2)))
+        target = {"w": torch.zeros(64)}
+        assert ck.load(target) == 1
+        assert torch.equal(target["w"], w)
+        ck.save(3, {"w": w + 3}).wait()  # training goes on; the slot was released
+        assert ck.load(target) == 3 and torch.equal(target["w"], w + 3)
+
+
+def test_corrupt_newest_step_falls_back_to_older_with_a_warning(local_dir, caplog):
+    with _ckpt(local_dir) as ck:
+        ck.save(1, {"w": torch.ones(100)}).wait()
+        ck.save(2, {"w": torch.ones(100) * 2}).wait()
+        folder = ck.folder
+    path = os.path.join(folder, step_file(2))
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 10)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    target = {"w": torch.zeros(100)}
+    with caplog.at_level(logging.WARNING, logger="incluster"), _ckpt(local_dir) as ck:
+        assert ck.load(target) == 1
+        assert torch.equal(target["w"], torch.ones(100))
+        assert "checksum mismatch" in caplog.text and "step 2" in caplog.text
+        ck.save(2, {"w": torch.ones(100) * 5}).wait()  # the corrupt step was discarded
+
+
+def test_jobs_are_isolated_and_files_private(local_dir):
+    with _ckpt(local_dir, job="a") as a, _ckpt(local_dir, job="b") as b:
+        a.save(1, {"w": torch.ones(4)}).wait()
+        assert b.load({"w": torch.zeros(4)}) is None
+        assert stat.S_IMODE(os.stat(a.folder).st_mode) == 0o700
+        for name in os.listdir(a.folder):
+            assert stat.S_IMODE(os.stat(os.path.join(a.folder, name)).st_mode) == 0o600, name
+
+
+def test_rejected_state_fails_in_save_itself(local_dir):
+    with _ckpt(local_dir) as ck, pytest.raises(incluster.CheckpointError, match="extra/fn"):
+        ck.save(1, {"extra": {"fn": lambda: 0}})
+
+
+def test_bad_options_are_refused_with_the_rule():
+    with pytest.raises(ValueError, match="keep"):
+        incluster.Checkpointer(local_dir="/tmp/x", keep=0)
+    with pytest.raises(ValueError, match="job"):
+        incluster.Checkpointer(local_dir="/tmp/x", job="../evil")
+
+
+def test_env_selects_local_dir_and_node(local_dir, monkeypatch):
+    monkeypatch.setenv("INCLUSTER_LOCAL_DIR", local_dir)
+    monkeypatch.setenv("INCLUSTER_NODE", "node-7")
+    with incluster.Checkpointer(job="envjob") as ck:
+        assert ck.folder.startswith(local_dir)
+        assert ck.config.node == "node-7"
+
+
+def test_closed_checkpointer_refuses_use(local_dir):
+    ck = _ckpt(local_dir)
+    ck.close()
+    with pytest.raises(incluster.CheckpointError, match="closed"):
+        ck.save(1, {"w": torch.ones(1)})

@@ -1,0 +1,180 @@
+"""Flatten/load of training state: every kind of value the API promises, and refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from incluster.errors import CheckpointError
+from incluster.state import flatten, load_into
+
+from helpers import assert_bitwise, clone_state, tiny_model, train
+
+
+def _roundtrip(state, target, allow_pickle=False):
+    flat = flatten(state, allow_pickle=allow_pickle)
+    stored = {s.name: t.clone() for s, t in zip(flat.specs, flat.tensors)}
+    load_into(target, flat.tree, stored.__getitem__, allow_pickle=allow_pickle)
+    return flat
+
+
+def test_model_and_adamw_round_trip_bitwise():
+    m, m2 = tiny_model(0), tiny_model(9)
+    o, o2 = torch.optim.AdamW(m.parameters(), lr=1e-2), torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    train(m, o, 3)
+    train(m2, o2, 1, seed=5)
+    ref = clone_state(m, o)
+    _roundtrip({"model": m, "optim": o}, {"model": m2, "optim": o2})
+    assert_bitwise(m2, o2, ref)
+
+
+def test_optimizer_that_never_stepped_is_rebuilt_and_continues_identically():
+    m, m2 = tiny_model(0), tiny_model(7)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    train(m, o, 2)
+    ref = clone_state(m, o)
+    assert not o2.state  # lazy: no exp_avg yet
+    _roundtrip({"model": m, "optim": o}, {"model": m2, "optim": o2})
+    assert_bitwise(m2, o2, ref)
+    train(m, o, 2, seed=3)
+    train(m2, o2, 2, seed=3)
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_sgd_without_momentum_state_round_trips():
+    m, m2 = tiny_model(0), tiny_model(3)
+    o, o2 = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+    train(m, o, 2)
+    _roundtrip({"model": m, "optim": o}, {"model": m2, "optim": o2})
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_loaded_in_place_keeps_parameter_identity():
+    m, m2 = tiny_model(0), tiny_model(1)
+    params = [p for p in m2.parameters()]
+    ptrs = [p.data_ptr() for p in params]
+    _roundtrip({"model": m}, {"model": m2})
+    assert [p.data_ptr() for p in m2.parameters()] == ptrs
+    assert all(a is b for a, b in zip(params, m2.parameters()))
+
+
+def test_tied_weights_are_stored_once_and_stay_tied():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    a, b = Tied(), Tied()
+    flat = _roundtrip({"model": a}, {"model": b})
+    assert [s.name for s in flat.specs] == ["model/emb.weight"]
+    assert torch.equal(b.emb.weight, a.emb.weight)
+    assert b.head.weight is b.emb.weight
+
+
+def test_json_leaves_and_containers_round_trip_exactly():
+    extra = {
+        "tokens": 123456789012345678901,
+        "lr": 0.1 + 0.2,
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "name": "run/7",
+        "flag": True,
+        "none": None,
+        "pair": (1, "two"),
+        "nested": {"a": [1, 2, {"b": torch.arange(3)}], 5: "int key"},
+    }
+    target = {"extra": {"stale": 1}}
+    _roundtrip({"extra": extra}, target)
+    got = target["extra"]
+    assert got["tokens"] == extra["tokens"] and got["lr"] == extra["lr"]
+    assert math.isnan(got["nan"]) and got["inf"] == float("-inf")
+    assert got["pair"] == (1, "two") and isinstance(got["pair"], tuple)
+    assert got["flag"] is True and got["none"] is None and got["name"] == "run/7"
+    assert torch.equal(got["nested"]["a"][2]["b"], torch.arange(3))
+    assert got["nested"][5] == "int key" and "stale" not in got
+
+
+def test_keys_with_slashes_do_not_collide():
+    state = {"a/b": torch.ones(1), "a": {"b": torch.zeros(1)}}
+    flat = flatten(state)
+    assert len({s.name for s in flat.specs}) == 2
+
+
+class Loader:
+    """A Stateful that is neither Module nor Optimizer (e.g. a data loader)."""
+
+    def __init__(self, pos=0):
+        self.pos = pos
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd):
+        self.pos = sd["pos"]
+
+
+def test_stateful_objects_are_saved_through_state_dict():
+    src, dst = Loader(41), Loader(0)
+    _roundtrip({"loader": src}, {"loader": dst})
+    assert dst.pos == 41
+
+
+def test_unsupported_object_is_refused_naming_path_and_fix():
+    with pytest.raises(CheckpointError, match=r"extra/cb.*allow_pickle=True"):
+        flatten({"extra": {"cb": object()}})
+    with pytest.raises(CheckpointError, match="dict of named parts"):
+        flatten([torch.ones(1)])  # type: ignore[arg-type]
+
+
+def test_pickle_only_when_allowed_on_both_sides():
+    from fractions import Fraction
+
+    state = {"extra": {"frac": Fraction(1, 3)}}
+    flat = flatten(state, allow_pickle=True)
+    stored = {s.name: t.clone() for s, t in zip(flat.specs, flat.tensors)}
+    with pytest.raises(CheckpointError, match="can run code"):
+        load_into({"extra": {}}, flat.tree, stored.__getitem__)
+    target = {"extra": {}}
+    load_into(target, flat.tree, stored.__getitem__, allow_pickle=True)
+    assert target["extra"]["frac"] == Fraction(1, 3)
+
+
+def test_shape_mismatch_is_a_clear_error():
+    with pytest.raises(CheckpointError, match="same configuration"):
+        _roundtrip({"w": torch.ones(3)}, {"w": torch.ones(4)})
+
+
+def test_missing_part_in_checkpoint_is_a_clear_error():
+    with pytest.raises(CheckpointError, match="no entry for"):
+        _roundtrip({"model": tiny_model()}, {"model": tiny_model(), "other": torch.ones(1)})
+
+
+def test_dtensor_shard_saved_with_placement_and_loaded_in_place(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(12.0).reshape(4, 3)
+        dt = distribute_tensor(full, mesh, [Shard(0)])
+        flat = flatten({"w": dt})
+        node = flat.tree["d"][0][1]
+        assert node["global_shape"] == [4, 3] and node["placements"] == [["S", 0]]
+        assert node["global_offset"] == [0, 0]
+        target = distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
+        stored = {s.name: t.clone() for s, t in zip(flat.specs, flat.tensors)}
+        load_into({"w": target}, flat.tree, stored.__getitem__)
+        assert torch.equal(target.full_tensor(), full)
+        with pytest.raises(CheckpointError, match="incluster export"):
+            load_into({"w": torch.zeros(4, 3)}, flat.tree, stored.__getitem__)
+    finally:
+        dist.destroy_process_group()
