@@ -20,6 +20,7 @@ import torch
 from incluster import config as _config
 from incluster.errors import CheckpointError, CommitError, CorruptCheckpointError, PeerTimeoutError
 from incluster.format.sidecar import Sidecar
+from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
@@ -62,6 +63,10 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._closed = False
         self._warmed = False
+        self.events: ev.EventRecorder | ev.NullRecorder = (
+            ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
+        )
+        self.events.record(ev.START, world_size=self.world_size, node=self.config.node)
 
     # -- saving -----------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
@@ -88,7 +93,13 @@ class Checkpointer:
             self._pending.append(handle)
         self._stage_pool.submit(self._stage, job, handle)
         handle.blocked_s = time.perf_counter() - t0
+        self.events.record(ev.SAVE, step=step, blocked_s=handle.blocked_s)
         return handle
+
+    def record_step(self, step: int) -> None:
+        """Mark training progress (cheap, buffered) so goodput reports can tell exactly
+        how much work a failure cost. Optional."""
+        self.events.record(ev.TRAIN_STEP, step=step)
 
     def _stage(self, job: StageJob, handle: SaveHandle) -> None:
         """Staging thread: copy, then hand the slot to the writer."""
@@ -113,6 +124,7 @@ class Checkpointer:
             self._fail(job, handle, exc, "staging")
             return
         handle.staged_s = time.perf_counter() - handle.started
+        self.events.record(ev.STAGED, step=job.step, seconds=handle.staged_s)
         self.ring.set_state(job.slot, SlotState.COMMITTING)
         job.staged.set_result(None)
         try:
@@ -131,6 +143,7 @@ class Checkpointer:
         self.ring.mark_committed(job.slot, job.step, path)
         self._drop_unheld(job.step)
         handle.durable_s = time.perf_counter() - handle.started
+        self.events.record(ev.DURABLE, step=job.step, tier="local", seconds=handle.durable_s)
         handle.durable.set_result(None)
         if not self._warmed and job.layout is not None:
             self._warmed = True
@@ -147,6 +160,7 @@ class Checkpointer:
         if os.path.exists(final) and not os.path.exists(os.path.join(self.folder, sidecar_file(job.step))):
             os.replace(final, job.slot.path if job.slot.path != final else final + ".torn")
         self.ring.release(job.slot)
+        self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
         with self._lock:
             self._errors.append((handle, err))
         for fut in (job.staged, handle.durable):
@@ -236,6 +250,7 @@ class Checkpointer:
         """Restore the newest complete step into ``state`` in place; its step, or None."""
         self._check_usable()
         self.wait()
+        t0 = time.perf_counter()
         for step in committed_steps(self.folder):
             try:
                 reader = ShardReader(self.folder, step)
@@ -246,8 +261,14 @@ class Checkpointer:
             with reader:
                 self._check_identity(reader.sidecar)
                 load_into(state, reader.sidecar.tree, reader.tensor, allow_pickle=self.config.allow_pickle)
-            log.info("incluster: rank %d restored step %d from %s (%d bytes)", self.rank, step, self.folder, reader.nbytes)
+            seconds = time.perf_counter() - t0
+            log.info(
+                "incluster: rank %d restored step %d from %s (%d bytes, %.3f s)",
+                self.rank, step, self.folder, reader.nbytes, seconds,
+            )
+            self.events.record(ev.LOAD, step=step, source="local", bytes=reader.nbytes, seconds=seconds)
             return step
+        self.events.record(ev.LOAD, step=None, source="none", bytes=0, seconds=time.perf_counter() - t0)
         return None
 
     def _check_identity(self, sc: Sidecar) -> None:
@@ -278,6 +299,8 @@ class Checkpointer:
             self._stage_pool.shutdown(wait=True)
             self._writer.close(self.config.slot_timeout_s)
             self.ring.close()
+            self.events.record(ev.END)
+            self.events.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
