@@ -1,9 +1,12 @@
 """Checkpointer: the trainer-side orchestrator. Thin: it wires the parts together.
 
 save:  snapshot (trainer thread, ~ms) -> slot ring -> Stager (staging thread: flatten,
-       layout, copy) -> Writer (checksum, rename, sidecar) -> durable.
-load:  newest committed step in this rank's folder -> verify -> copy in place; a corrupt
-       step is discarded with a warning and the next older one is tried.
+       layout, copy) -> Writer (checksum, rename, sidecar, count in the job store)
+       -> durable once every rank committed the step.
+load:  the newest step every rank holds and can verify (restore.py) -> copy in place.
+
+IMPORTANT: the constructor and load() are collective when a process group with more
+than one rank exists (every rank must call them); save() never is.
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ from typing import Any, Mapping
 import torch
 
 from incluster import config as _config
-from incluster.errors import CheckpointError, CommitError, CorruptCheckpointError, PeerTimeoutError
-from incluster.format.sidecar import Sidecar
+from incluster.commit import StoreAddress, host_store
+from incluster.errors import CheckpointError, CommitError, PeerTimeoutError
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
+from incluster.restore import restore
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
-from incluster.state import load_into, snapshot
-from incluster.tiers.local import ShardReader, committed_steps, rank_folder
+from incluster.state import snapshot
+from incluster.testing import faults
+from incluster.tiers.local import committed_steps, rank_folder
+from incluster.writer.base import Writer
 from incluster.writer.local_commit import CommitRequest
+from incluster.writer.process import ProcessWriter, next_generation
+from incluster.writer.protocol import WriterParams
 from incluster.writer.thread import ThreadWriter
 
 log = logging.getLogger("incluster")
@@ -54,8 +62,12 @@ class Checkpointer:
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
         self.ring = SlotRing(self.folder, self.config.keep, on_unmap=self._on_unmap)
         self._stager = Stager(self.ring, self.config.allow_pickle)
+        self._store_server, address = self._start_store()
+        params = WriterParams(
+            rank=self.rank, gen=next_generation(), store=address, outcome_timeout_s=self.config.slot_timeout_s
+        )
+        self._writer: Writer = ProcessWriter(params) if self.config.writer == "process" else ThreadWriter(params)
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
-        self._writer = ThreadWriter()
         self._inflight: StageJob | None = None
         self._pending: list[SaveHandle] = []
         self._errors: list[tuple[SaveHandle, BaseException]] = []
@@ -67,6 +79,22 @@ class Checkpointer:
             ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
         )
         self.events.record(ev.START, world_size=self.world_size, node=self.config.node)
+
+    def _start_store(self) -> tuple[object, StoreAddress | None]:
+        """Rank 0 hosts the job store; its address reaches every rank once, here."""
+        if self.world_size == 1:
+            return None, None
+        import torch.distributed as dist
+
+        server, address = host_store(self.config.job, self.world_size) if self.rank == 0 else (None, None)
+        box = [address]
+        dist.broadcast_object_list(box, src=0)
+        return server, box[0]
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's pid (None for the thread writer)."""
+        return self._writer.pid
 
     # -- saving -----------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
@@ -104,11 +132,13 @@ class Checkpointer:
     def _stage(self, job: StageJob, handle: SaveHandle) -> None:
         """Staging thread: copy, then hand the slot to the writer."""
         try:
+            faults.check("stage", self.rank, job.step)
             self._stager.run(job)
             if job.flat is None or job.layout is None:
                 raise CommitError(f"staging of step {job.step} produced no layout")
             req = CommitRequest(
                 folder=self.folder,
+                slot=job.slot.index,
                 staging_path=job.slot.path,
                 size=job.layout.total_size,
                 job=self.config.job,
@@ -128,28 +158,44 @@ class Checkpointer:
         self.ring.set_state(job.slot, SlotState.COMMITTING)
         job.staged.set_result(None)
         try:
-            fut = self._writer.submit(req, job.slot)
+            local, outcome = self._writer.submit(req, job.slot)
         except BaseException as exc:  # noqa: BLE001
             self._fail(job, handle, exc, "commit")
             return
-        fut.add_done_callback(lambda f: self._committed(job, handle, f))
+        def on_local(f: "Future[str]") -> None:
+            self._local_done(job, handle, f)  # always before the outcome is handled
+            outcome.add_done_callback(lambda g: self._outcome(job, handle, g))
 
-    def _committed(self, job: StageJob, handle: SaveHandle, fut: "Future[tuple[str, Sidecar]]") -> None:
+        local.add_done_callback(on_local)
+
+    def _local_done(self, job: StageJob, handle: SaveHandle, fut: "Future[str]") -> None:
+        if fut.exception() is None:
+            self.ring.mark_committed(job.slot, job.step, fut.result())
+            self.events.record(ev.DURABLE, step=job.step, tier="local", seconds=time.perf_counter() - handle.started)
+
+    def _outcome(self, job: StageJob, handle: SaveHandle, fut: "Future[None]") -> None:
         exc = fut.exception()
         if exc is not None:
-            self._fail(job, handle, exc, "commit")
+            self._fail(job, handle, exc, "commit", published=True)
             return
-        path, _ = fut.result()
-        self.ring.mark_committed(job.slot, job.step, path)
+        self.ring.set_global(job.step)
         self._drop_unheld(job.step)
         handle.durable_s = time.perf_counter() - handle.started
-        self.events.record(ev.DURABLE, step=job.step, tier="local", seconds=handle.durable_s)
+        if self.world_size > 1:
+            self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
         handle.durable.set_result(None)
         if not self._warmed and job.layout is not None:
             self._warmed = True
-            self._stage_pool.submit(self._warm, job.layout.total_size)
+            try:
+                self._stage_pool.submit(self._warm, job.layout.total_size)
+            except RuntimeError:
+                pass  # closing
 
-    def _fail(self, job: StageJob, handle: SaveHandle, exc: BaseException, phase: str) -> None:
+    def _fail(
+        self, job: StageJob, handle: SaveHandle, exc: BaseException, phase: str, published: bool = False
+    ) -> None:
+        if not published:  # no rank may wait for a step that failed here
+            self._writer.fail(job.step, f"{phase}: {type(exc).__name__}: {exc}")
         err = exc if isinstance(exc, CheckpointError) else CommitError(
             f"saving step {job.step} failed during {phase}: {type(exc).__name__}: {exc}; "
             f"the previous committed step is intact"
@@ -157,8 +203,11 @@ class Checkpointer:
         if err is not exc:
             err.__cause__ = exc
         final = os.path.join(self.folder, step_file(job.step))
-        if os.path.exists(final) and not os.path.exists(os.path.join(self.folder, sidecar_file(job.step))):
-            os.replace(final, job.slot.path if job.slot.path != final else final + ".torn")
+        if job.slot.state is SlotState.COMMITTED and job.slot.step == job.step:
+            self.ring.discard(job.step)  # committed here, but not on every rank: never loadable
+        if os.path.exists(final):
+            os.replace(final, os.path.join(self.folder, f".staging-{job.slot.index}"))
+        job.slot.path = os.path.join(self.folder, f".staging-{job.slot.index}")
         self.ring.release(job.slot)
         self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
         with self._lock:
@@ -247,42 +296,29 @@ class Checkpointer:
 
     # -- loading ----------------------------------------------------------------------
     def load(self, state: Mapping[str, Any]) -> int | None:
-        """Restore the newest complete step into ``state`` in place; its step, or None."""
+        """Restore the newest step every rank can load into ``state`` in place; returns
+        its step, or None when there is none. Collective: every rank must call it."""
         self._check_usable()
         self.wait()
         t0 = time.perf_counter()
-        for step in committed_steps(self.folder):
-            try:
-                reader = ShardReader(self.folder, step)
-            except CorruptCheckpointError as exc:
-                log.warning("incluster: rank %d step %d is unusable (%s); trying an older step", self.rank, step, exc)
-                self.ring.discard(step)
-                continue
-            with reader:
-                self._check_identity(reader.sidecar)
-                load_into(state, reader.sidecar.tree, reader.tensor, allow_pickle=self.config.allow_pickle)
-            seconds = time.perf_counter() - t0
+        step, nbytes = restore(
+            self.folder,
+            state,
+            rank=self.rank,
+            world_size=self.world_size,
+            job=self.config.job,
+            allow_pickle=self.config.allow_pickle,
+            discard=self.ring.discard,
+        )
+        self.ring.reset_to(step)
+        seconds = time.perf_counter() - t0
+        if step is not None:
             log.info(
                 "incluster: rank %d restored step %d from %s (%d bytes, %.3f s)",
-                self.rank, step, self.folder, reader.nbytes, seconds,
+                self.rank, step, self.folder, nbytes, seconds,
             )
-            self.events.record(ev.LOAD, step=step, source="local", bytes=reader.nbytes, seconds=seconds)
-            return step
-        self.events.record(ev.LOAD, step=None, source="none", bytes=0, seconds=time.perf_counter() - t0)
-        return None
-
-    def _check_identity(self, sc: Sidecar) -> None:
-        if sc.job != self.config.job or sc.rank != self.rank:
-            raise CorruptCheckpointError(
-                f"{self.folder}: holds job {sc.job!r} rank {sc.rank}, expected job "
-                f"{self.config.job!r} rank {self.rank}; the folder was copied or renamed"
-            )
-        if sc.world_size != self.world_size:
-            raise CheckpointError(
-                f"step {sc.step} was saved by {sc.world_size} ranks but this job has "
-                f"{self.world_size}; resharding in place is not supported - assemble a full "
-                f"state with `incluster export` and load that"
-            )
+        self.events.record(ev.LOAD, step=step, source="local" if step is not None else "none", bytes=nbytes, seconds=seconds)
+        return step
 
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:

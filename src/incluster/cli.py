@@ -19,12 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     showcase.register(sub)
 
-    import importlib.util
+    from incluster.goodput import cli as goodput_cli
 
-    if importlib.util.find_spec("incluster.goodput.cli") is not None:
-        from incluster.goodput import cli as goodput_cli
-
-        goodput_cli.register(sub)
+    goodput_cli.register(sub)
     return parser
 
 

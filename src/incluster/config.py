@@ -31,6 +31,9 @@ class Config:
     """msync/fsync shards and sidecars (for a local_dir on a real disk; tmpfs needs none)."""
     run_dir: str | None = None
     """Folder for goodput event logs (``INCLUSTER_RUN_DIR``); None records nothing."""
+    writer: str = "process"
+    """Where commits run: "process" (a writer process per rank, no GIL contention with
+    the trainer) or "thread" (a background thread; no extra process)."""
 
     def __post_init__(self) -> None:
         check_job(self.job)
@@ -38,6 +41,8 @@ class Config:
             raise ValueError(f"keep must be an integer >= 1 (got {self.keep!r})")
         if not self.slot_timeout_s > 0:
             raise ValueError(f"slot_timeout_s must be > 0 (got {self.slot_timeout_s!r})")
+        if self.writer not in ("process", "thread"):
+            raise ValueError(f'writer must be "process" or "thread" (got {self.writer!r})')
         if not self.node or "/" in self.node:
             raise ValueError(f"node must be a non-empty name without '/' (got {self.node!r})")
 
@@ -52,6 +57,7 @@ def resolve(
     slot_timeout_s: float = 300.0,
     fsync: bool = False,
     run_dir: str | os.PathLike[str] | None = None,
+    writer: str = "process",
 ) -> Config:
     """Fill unset options from the environment, then validate."""
     env = os.environ
@@ -65,4 +71,5 @@ def resolve(
         slot_timeout_s=slot_timeout_s,
         fsync=fsync,
         run_dir=os.fspath(rd) if rd else None,
+        writer=writer,
     )

@@ -18,22 +18,18 @@ CHILD = textwrap.dedent(
     """
     import os, sys, time, torch
     import incluster
-    import incluster.writer.local_commit as lc
-    local_dir, marker, phase = sys.argv[1:4]
+    from incluster.testing import FaultInjector
+    local_dir, marker_dir, phase = sys.argv[1:4]
+    # The writer process hangs at the phase of step 2 (after the rename, before the
+    # sidecar; or before the checksum); the test then SIGKILLs the trainer (the writer
+    # dies with it).
+    FaultInjector().fail_at(phase=phase, step=2, action="hang", marker_dir=marker_dir).install()
     torch.manual_seed(0)
     w = torch.randn(1 << 16)
     ck = incluster.Checkpointer(local_dir=local_dir, job="crash")
     ck.save(1, {"w": w, "extra": {"step": 1}}).wait()
     torch.save(w.clone(), os.path.join(local_dir, "expected.pt"))
 
-    def hang(*a, **k):
-        open(marker, "w").close()
-        time.sleep(600)
-
-    if phase == "sidecar":
-        lc.write_sidecar = hang          # staged and renamed, sidecar never written
-    else:
-        lc.compute = hang                # killed while checksumming
     w.add_(1)
     ck.save(2, {"w": w, "extra": {"step": 2}})
     time.sleep(600)
@@ -42,10 +38,10 @@ CHILD = textwrap.dedent(
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("phase", ["sidecar", "checksum"])
+@pytest.mark.parametrize("phase", ["sidecar", "commit"])
 def test_sigkill_during_commit_keeps_previous_step(local_dir, phase):
-    marker = os.path.join(local_dir, "marker")
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, local_dir, marker, phase])
+    marker = os.path.join(local_dir, f"fault-{phase}-r0-s2")
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, local_dir, local_dir, phase])
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(marker):
@@ -54,6 +50,7 @@ def test_sigkill_during_commit_keeps_previous_step(local_dir, phase):
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        time.sleep(0.2)  # the writer follows its trainer (parent-death signal)
     finally:
         if proc.poll() is None:
             proc.kill()

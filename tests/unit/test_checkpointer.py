@@ -16,6 +16,7 @@ from helpers import assert_bitwise, clone_state, tiny_model, train
 
 
 def _ckpt(local_dir, **kw):
+    kw.setdefault("writer", "thread")  # the process writer has tests of its own
     return incluster.Checkpointer(local_dir=local_dir, job=kw.pop("job", "t"), **kw)
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any, Callable
 
 from incluster.goodput import scenarios
-from incluster.goodput.model import ModelConfig, ModelResult, TierConfig, evaluate, young_interval
+from incluster.goodput.model import ModelConfig, ModelResult, evaluate, young_interval
 from incluster.goodput.scenarios import CONFIGURATIONS, INCLUSTER, Costs
 
 
@@ -46,6 +46,10 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
     return run
 
 
+def _secs(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.2f} s"
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Print the goodput report of a run folder."""
     from incluster.goodput.report import build_report, render
@@ -64,20 +68,21 @@ def plan_config(args: argparse.Namespace) -> ModelConfig:
                           interruptions_per_day=args.interruptions_per_day, gpus=args.gpus)
     if args.persistent_every is not None:
         tiers = tuple(
-            TierConfig(**{**asdict(t), "every": args.persistent_every})
-            if t.name == "persistent" and i > 0 else t
+            replace(t, every=args.persistent_every) if t.name == "persistent" and i > 0 else t
             for i, t in enumerate(cfg.tiers)
         )
-        cfg = ModelConfig(**{**asdict(cfg), "tiers": tiers})
+        cfg = replace(cfg, tiers=tiers)
     if args.interval_s is not None:
-        cfg = ModelConfig(**{**asdict(cfg), "tiers": cfg.tiers, "interval_s": args.interval_s})
+        cfg = replace(cfg, interval_s=args.interval_s)
     return cfg
 
 
 def _result_dict(cfg: ModelConfig, r: ModelResult) -> dict[str, Any]:
     return {
         "interval_s": r.interval_s,
-        "young_interval_s": young_interval(cfg.blocking_s, cfg.rate_per_s) if cfg.blocking_s else None,
+        "young_interval_s": (
+            young_interval(cfg.blocking_s, cfg.rate_per_s) if cfg.blocking_s else None
+        ),
         "blocking_s": cfg.blocking_s,
         "tiers": [
             {"name": t.name, "serves_fraction": t.serves_fraction,
@@ -97,39 +102,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Recommend an interval per tier and print the expected badput."""
     cfg = plan_config(args)
     result = evaluate(cfg)
-    compare = {}
-    for name in CONFIGURATIONS:
-        other = scenarios.build(name, _costs(args), state_gib=args.state_gib,
-                                interruptions_per_day=args.interruptions_per_day, gpus=args.gpus)
-        compare[name] = evaluate(other)
+    costs = _costs(args)
+    configs = {
+        name: scenarios.build(name, costs, state_gib=args.state_gib,
+                              interruptions_per_day=args.interruptions_per_day, gpus=args.gpus)
+        for name in CONFIGURATIONS
+    }
+    compare = {name: evaluate(c) for name, c in configs.items()}
     if args.json:
         out = {"config": args.config, "gpus": args.gpus, "state_gib": args.state_gib,
                "interruptions_per_day": args.interruptions_per_day,
+               "costs": costs.to_dict(),
                "plan": _result_dict(cfg, result),
-               "compare": {n: _result_dict(scenarios.build(
-                   n, _costs(args), state_gib=args.state_gib,
-                   interruptions_per_day=args.interruptions_per_day, gpus=args.gpus), r)
-                   for n, r in compare.items()}}
+               "compare": {n: _result_dict(configs[n], r) for n, r in compare.items()}}
         print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
 
     con = Console()
-    steps = result.interval_s / _costs(args).step_s
+    steps = result.interval_s / costs.step_s
     t = Table(title=f"plan: {args.config}; {args.gpus} GPUs, {args.interruptions_per_day:g} "
                     f"interruptions/day, {args.state_gib:g} GiB/rank")
-    for col in ("tier", "serves", "recoverable after", "reload", "save every", "interval",
-                "lost per failure"):
-        t.add_column(col, justify="left" if col == "tier" else "right")
+    for col in ("tier", "serves", "ready after", "reload", "keeps", "interval", "lost/fail"):
+        t.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
     for tier, k, iv, lost in zip(cfg.tiers, result.tier_every, result.tier_interval_s,
                                  result.lost_per_failure_s):
         t.add_row(tier.name, f"{100 * tier.serves_fraction:.0f} %",
                   f"{tier.time_to_recoverable_s:.2f} s", f"{tier.reload_s:.2f} s",
-                  "every save" if k == 1 else f"every {k}th", f"{iv:.1f} s", f"{lost:.1f} s")
+                  "all" if k == 1 else f"1 in {k}", f"{iv:.1f} s", f"{lost:.1f} s")
     con.print(t)
     con.print(f"save every {result.interval_s:.1f} s of compute (~{steps:.0f} steps at "
-              f"{_costs(args).step_s:g} s/step); each save blocks {cfg.blocking_s * 1e3:.2f} ms")
+              f"{costs.step_s:g} s/step); each save blocks {_secs(cfg.blocking_s)}")
     b = Table(title="expected badput")
     for col in ("category", "% of GPU time", "GPU-hours/day"):
         b.add_column(col, justify="left" if col == "category" else "right")
@@ -140,7 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         b.add_row(name, f"{100 * share:.3f}", f"{share * gh:.1f}")
     con.print(b)
     c = Table(title="each configuration at its optimal interval")
-    for col in ("configuration", "interval", "badput %", "of it checkpointing %", "GPU-h/day"):
+    for col in ("configuration", "interval", "total %", "ckpt %", "GPU-h/day"):
         c.add_column(col, justify="left" if col == "configuration" else "right")
     for name, r in compare.items():
         c.add_row(name, f"{r.interval_s:.1f} s", f"{100 * r.badput:.3f}",
@@ -182,8 +186,9 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``goodput`` and its sub-commands to the top-level ``incluster`` parser."""
-    p = subparsers.add_parser("goodput", help="goodput report, interval planning, figures",
-                              description=__doc__.splitlines()[0])
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "goodput", help="goodput report, interval planning, figures",
+        description=(__doc__ or "").splitlines()[0])
     sub = p.add_subparsers(dest="goodput_command", metavar="SUBCOMMAND", required=True)
 
     r = sub.add_parser("report", help="where a recorded run's time went")

@@ -99,12 +99,14 @@ class EventRecorder:
         self._file: Any = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def record(self, kind: str, **fields: Any) -> None:
-        """Record one event now. ``kind`` is one of ``KINDS``; fields must be JSON-able."""
+        """Record one event now. ``kind`` is one of ``KINDS``; fields should be JSON-able
+        (anything else is written as its ``str``)."""
         if kind not in KINDS:
             raise ValueError(f"unknown event kind {kind!r}; use one of {', '.join(KINDS)}")
         event = {"t": self._clock(), "kind": kind, "rank": self.rank, "pid": self.pid}
         event.update(fields)
-        line = json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n"
+        # default=str: an odd field value (a Path, a tensor's item) must not stop training
+        line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
         with self._lock:
             if self._file is None:
                 self.dropped += 1

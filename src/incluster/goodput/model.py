@@ -32,7 +32,7 @@ SECONDS_PER_DAY = 86400.0
 
 
 def young_interval(blocking_s: float, rate_per_s: float) -> float:
-    """Young (1974): the compute time between saves that minimises badput, sqrt(2 delta / lambda)."""
+    """Young (1974): the compute time between saves minimising badput, sqrt(2 delta/lambda)."""
     _check_rate(blocking_s, rate_per_s)
     return math.sqrt(2.0 * blocking_s / rate_per_s)
 
@@ -58,7 +58,8 @@ def exact_completion_time(
 
     Segments of tau compute + delta save must each run without a failure; a failure loses
     the segment and costs a recovery of ``recovery_s`` (= R + T), itself restarted by a
-    failure. For exponential failures: E = (W / tau) e^(lambda R) (e^(lambda (tau + delta)) - 1) / lambda.
+    failure. For exponential failures:
+    E = (W / tau) e^(lambda R) (e^(lambda (tau + delta)) - 1) / lambda.
     """
     if work_s < 0 or interval_s <= 0 or recovery_s < 0:
         raise ValueError("work_s and recovery_s must be >= 0 and interval_s > 0")
@@ -69,7 +70,9 @@ def exact_completion_time(
     ) / lam
 
 
-def exact_badput(interval_s: float, blocking_s: float, recovery_s: float, rate_per_s: float) -> float:
+def exact_badput(
+    interval_s: float, blocking_s: float, recovery_s: float, rate_per_s: float
+) -> float:
     """1 - W / E[T] of ``exact_completion_time`` (independent of W)."""
     return 1.0 - 1.0 / exact_completion_time(1.0, interval_s, blocking_s, recovery_s, rate_per_s)
 
@@ -245,7 +248,8 @@ def evaluate(config: ModelConfig, interval_s: float | None = None) -> ModelResul
     lam, delta = config.rate_per_s, config.blocking_s
     p = tau + delta
     ks = tier_every(config, p)
-    rho = sum(t.serves_fraction * math.exp(-lam * (config.restart_s + t.reload_s)) for t in config.tiers)
+    r = config.restart_s
+    rho = sum(t.serves_fraction * math.exp(-lam * (r + t.reload_s)) for t in config.tiers)
     lost_c = tuple(
         (tau / p) * (t.time_to_recoverable_s + k * p / 2.0 - delta / 2.0)
         for t, k in zip(config.tiers, ks)
@@ -257,7 +261,7 @@ def evaluate(config: ModelConfig, interval_s: float | None = None) -> ModelResul
     # takes E[min(X, R)] of it, whatever the tier.
     in_restart = -math.expm1(-lam * config.restart_s)
     in_recovery = sum(
-        t.serves_fraction * -math.expm1(-lam * (config.restart_s + t.reload_s)) for t in config.tiers
+        t.serves_fraction * -math.expm1(-lam * (r + t.reload_s)) for t in config.tiers
     )
     restart_share = in_restart / in_recovery if in_recovery > 0 else 0.0
     return ModelResult(
@@ -274,14 +278,18 @@ def evaluate(config: ModelConfig, interval_s: float | None = None) -> ModelResul
 
 
 def optimize(config: ModelConfig) -> ModelResult:
-    """The interval tau minimising total badput (a log grid, then golden-section search).
+    """The interval tau minimising total badput.
+
+    A log grid, then golden-section search around its best point, then the points where a
+    tier's k_i changes (badput jumps there, so a search between grid points can miss them).
 
     tau starts at max(min_interval_s, max(L_0, tier 0's floor) - delta): tier 0 takes every
     save, so saves may not come faster than tier 0 makes them recoverable.
     """
     lam = config.rate_per_s
     t0 = config.tiers[0]
-    lo = max(config.min_interval_s, max(t0.time_to_recoverable_s, t0.min_interval_s) - config.blocking_s)
+    floor0 = max(t0.time_to_recoverable_s, t0.min_interval_s)
+    lo = max(config.min_interval_s, floor0 - config.blocking_s)
     hi = max(lo * 2.0, 5.0 / lam)
 
     def cost(tau: float) -> float:
@@ -305,6 +313,16 @@ def optimize(config: ModelConfig) -> ModelResult:
             d = a + phi * (b - a)
             fd = cost(d)
     candidates = [(costs[best], grid[best]), (fc, c), (fd, d)]
+    # k_i jumps where k_i P = need_i: the left edge of each piece is a candidate too.
+    for t in config.tiers[1:]:
+        need = max(t.time_to_recoverable_s, t.min_interval_s)
+        if t.every is not None or need <= 0:
+            continue
+        k_max = min(2000, math.ceil(need / (lo + config.blocking_s)))
+        for k in range(1, k_max + 1):
+            tau = need / k - config.blocking_s
+            if lo <= tau <= hi:
+                candidates.append((cost(tau), tau))
     return evaluate(config, min(candidates)[1])
 
 

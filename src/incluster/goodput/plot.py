@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from incluster.goodput import events as ev
-from incluster.goodput.report import read_run
+from incluster.goodput.reader import read_run
 from incluster.goodput.scenarios import CONFIGURATIONS, Costs, figure_data
 
 
@@ -54,6 +54,8 @@ def plot_figure(
     ax.set_ylabel("badput from checkpointing, % of GPU time")
     if log_scale:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(_percent_formatter())
+    ax.set_xticks([r for r in rates if r == rates[0] or r % 5 == 0])
     ax.set_title(
         f"Each configuration at its optimal interval; {state_gib:g} GiB per rank, "
         f"{costs.persistent_gib_per_s:g} GiB/s per rank to storage",
@@ -65,6 +67,12 @@ def plot_figure(
     fig.savefig(out_png)
     plt.close(fig)
     return curves
+
+
+def _percent_formatter() -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda y, _pos: f"{y:g}")
 
 
 _COLORS = {

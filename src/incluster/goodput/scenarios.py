@@ -123,13 +123,17 @@ def build(
     s, c = state_gib, costs
     w = s / c.persistent_gib_per_s
     restart = c.restart_s if include_restart else 0.0
-    common = dict(interruptions_per_day=interruptions_per_day, gpus=gpus, restart_s=restart,
-                  min_interval_s=c.step_s)
+
+    def config(delta: float, tiers: tuple[TierConfig, ...]) -> ModelConfig:
+        return ModelConfig(interruptions_per_day=interruptions_per_day, gpus=gpus,
+                           restart_s=restart, min_interval_s=c.step_s, blocking_s=delta,
+                           tiers=tiers)
+
     if name == SYNC:
         delta = s * c.sync_save_s_per_gib + w
         tier = TierConfig(name="persistent", serves_fraction=1.0, time_to_recoverable_s=delta,
                           reload_s=s * c.load_s_per_gib + w)
-        return ModelConfig(blocking_s=delta, tiers=(tier,), **common)  # type: ignore[arg-type]
+        return config(delta, (tier,))
     if name in (ASYNC, PINNED):
         blocked, durable = (
             (c.async_blocked_s_per_gib, c.async_durable_s_per_gib)
@@ -139,7 +143,7 @@ def build(
         tier = TierConfig(name="persistent", serves_fraction=1.0,
                           time_to_recoverable_s=s * durable + w,
                           reload_s=s * c.load_s_per_gib + w)
-        return ModelConfig(blocking_s=s * blocked, tiers=(tier,), **common)  # type: ignore[arg-type]
+        return config(s * blocked, (tier,))
     delta = s * c.writer_blocked_s_per_gib
     local = s * c.writer_durable_s_per_gib
     persistent = TierConfig(
@@ -150,7 +154,7 @@ def build(
         min_interval_s=0.0 if name == WRITER else c.persistent_min_interval_s,
     )
     if name == WRITER:
-        return ModelConfig(blocking_s=delta, tiers=(persistent,), **common)  # type: ignore[arg-type]
+        return config(delta, (persistent,))
     tiers = (
         TierConfig(name="local", serves_fraction=c.serve_local, time_to_recoverable_s=local,
                    reload_s=s * c.local_reload_s_per_gib),
@@ -159,7 +163,7 @@ def build(
                    reload_s=s * (c.peer_s_per_gib + c.local_reload_s_per_gib)),
         persistent,
     )
-    return ModelConfig(blocking_s=delta, tiers=tiers, **common)  # type: ignore[arg-type]
+    return config(delta, tiers)
 
 
 def figure_data(

@@ -91,7 +91,8 @@ class SlotRing:
         self.folder = folder
         self.keep = keep
         self.slots: list[Slot] = []
-        self.newest_committed: int | None = None
+        self.newest_committed: int | None = None  # newest step committed on this rank
+        self.newest_global: int | None = None  # newest step committed on every rank
         self._cond = threading.Condition()
         self._on_map = on_map
         self._on_unmap = on_unmap
@@ -109,7 +110,8 @@ class SlotRing:
                 Slot(len(self.slots), os.path.join(self.folder, step_file(step)), SlotState.COMMITTED, step)
             )
         if committed:
-            self.newest_committed = committed[-1]
+            # Until load() says which step the job agrees on, trust the local view.
+            self.newest_committed = self.newest_global = committed[-1]
         torn_shards = {n for step, n in shards.items() if sidecar_file(step) not in names}
         for n in sorted(names):  # torn saves: staging files and shards without a sidecar
             full = os.path.join(self.folder, n)
@@ -125,9 +127,10 @@ class SlotRing:
         """Take a slot for ``step``: free, new, or holding a superseded step."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            if self.newest_committed is not None and step <= self.newest_committed:
+            highest = max((s.step for s in self.slots if s.step is not None), default=None)
+            if highest is not None and step <= highest:
                 raise CheckpointError(
-                    f"step {step} is not newer than the committed step {self.newest_committed}; "
+                    f"step {step} is not newer than step {highest}, already saved or being saved; "
                     f"checkpoint steps must increase (continue from the step load() returned)"
                 )
             while True:
@@ -167,6 +170,17 @@ class SlotRing:
                     s.state, s.step = SlotState.FREE, None
             steps = [s.step for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None]
             self.newest_committed = max(steps) if steps else None
+            if self.newest_global is not None and self.newest_global >= step:
+                self.newest_global = max((x for x in steps if x < step), default=None)
+            self._cond.notify_all()
+
+    def reset_to(self, step: int | None) -> None:
+        """After a restore of ``step``: newer local steps are not complete anywhere; drop them."""
+        for s in list(self.slots):
+            if s.state is SlotState.COMMITTED and s.step is not None and (step is None or s.step > step):
+                self.discard(s.step)
+        with self._cond:
+            self.newest_global = step
             self._cond.notify_all()
 
     def _pick(self) -> Slot | None:
@@ -181,7 +195,7 @@ class SlotRing:
         old = [
             s
             for s in self.slots
-            if s.state is SlotState.COMMITTED and s.step is not None and s.step < (self.newest_committed or -1)
+            if s.state is SlotState.COMMITTED and s.step is not None and s.step < (self.newest_global or -1)
         ]
         return min(old, key=lambda s: s.step or 0) if old else None
 
@@ -240,6 +254,13 @@ class SlotRing:
             slot.state, slot.step, slot.path = SlotState.COMMITTED, step, path
             if self.newest_committed is None or step > self.newest_committed:
                 self.newest_committed = step
+            self._cond.notify_all()
+
+    def set_global(self, step: int) -> None:
+        """``step`` is committed on every rank: older slots may now be reused."""
+        with self._cond:
+            if self.newest_global is None or step > self.newest_global:
+                self.newest_global = step
             self._cond.notify_all()
 
     def release(self, slot: Slot) -> None:

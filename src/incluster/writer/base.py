@@ -5,14 +5,20 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Protocol
 
-from incluster.format.sidecar import Sidecar
 from incluster.staging.slots import Slot
 from incluster.writer.local_commit import CommitRequest
 
 
 class Writer(Protocol):
-    def submit(self, req: CommitRequest, slot: Slot) -> "Future[tuple[str, Sidecar]]":
-        """Commit a staged slot; the future holds the shard path and its sidecar."""
+    pid: int | None
+
+    def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[str], Future[None]]":
+        """Commit a staged slot. Futures: the local commit (shard path) and the global
+        outcome (done when every rank committed the step; CommitError if one failed)."""
+        ...
+
+    def fail(self, step: int, reason: str) -> None:
+        """Publish that this rank's save of ``step`` failed (so no rank waits for it)."""
         ...
 
     def close(self, timeout: float) -> None:

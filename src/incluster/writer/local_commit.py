@@ -15,6 +15,7 @@ from typing import Any
 from incluster.format.checksum import DEFAULT_CHUNK, compute
 from incluster.format.sidecar import Sidecar, write_sidecar
 from incluster.staging.slots import sidecar_file, step_file
+from incluster.testing import faults
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,6 +23,7 @@ class CommitRequest:
     """Everything the writer needs to commit a staged slot; picklable, no live objects."""
 
     folder: str
+    slot: int
     staging_path: str
     size: int
     job: str
@@ -45,6 +47,7 @@ def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:
         buf.flush()
     final = os.path.join(req.folder, step_file(req.step))
     os.replace(req.staging_path, final)
+    faults.check("sidecar", req.rank, req.step)
     sidecar = Sidecar(
         job=req.job,
         step=req.step,

@@ -1,0 +1,173 @@
+"""The global commit protocol: O(1) store operations per rank per save, no collective.
+
+Rank 0's Checkpointer hosts a ``torch.distributed.TCPStore`` (OS-chosen port; the
+address is shared once over the default group when the Checkpointer is created).
+Writers connect as clients. For step N (keys under ``<job>/``):
+
+- ``c/N``  each rank ``add``s 1 after its shard (and, later, each replica) commits;
+- ``o/N``  the outcome: the rank whose ``add`` completes the count sets ``ok``; a rank
+  whose save of N failed sets ``fail:<rank>:<why>`` (the count can then never complete,
+  so the two never race);
+- ``latest`` the newest globally committed step, raised monotonically (compare-and-set).
+
+Every wait is bounded; a timeout names how many ranks had committed. The protocol state
+of a step is an enum (:class:`Outcome`), never a pair of flags.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from incluster.errors import CommitError, PeerTimeoutError
+
+
+class Outcome(enum.Enum):
+    COMMITTED = "ok"
+    FAILED = "fail"
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the job store listens and what a save needs to be complete (picklable)."""
+
+    host: str
+    port: int
+    job: str
+    world_size: int
+    copies_per_rank: int = 1  # 1 + replicas
+
+    @property
+    def quorum(self) -> int:
+        return self.world_size * self.copies_per_rank
+
+
+class Coordinator(Protocol):
+    def committed(self, step: int) -> None:
+        """Count one committed copy of ``step``; completes the step if it is the last."""
+
+    def failed(self, step: int, reason: str) -> None:
+        """Tell every rank that ``step`` can never commit."""
+
+    def wait_outcome(self, step: int, timeout: float) -> None:
+        """Return once ``step`` is globally committed; CommitError/PeerTimeoutError else."""
+
+    def latest(self) -> int | None:
+        """The newest globally committed step known to the store."""
+
+    def close(self) -> None: ...
+
+
+class SoloCoordinator:
+    """World size 1 without a store: the local commit is the global commit."""
+
+    def __init__(self) -> None:
+        self._outcomes: dict[int, str] = {}
+        self._latest: int | None = None
+
+    def committed(self, step: int) -> None:
+        self._outcomes[step] = Outcome.COMMITTED.value
+        self._latest = step if self._latest is None else max(self._latest, step)
+
+    def failed(self, step: int, reason: str) -> None:
+        self._outcomes.setdefault(step, f"{Outcome.FAILED.value}:0:{reason}")
+
+    def wait_outcome(self, step: int, timeout: float) -> None:
+        _raise_for(step, self._outcomes.get(step, Outcome.COMMITTED.value))
+
+    def latest(self) -> int | None:
+        return self._latest
+
+    def close(self) -> None:
+        pass
+
+
+def _raise_for(step: int, value: str) -> None:
+    if value == Outcome.COMMITTED.value:
+        return
+    _, rank, why = (value.split(":", 2) + ["?", "?"])[:3]
+    raise CommitError(
+        f"step {step} failed on rank {rank} ({why}); it will not be restored by any rank - "
+        f"the previous committed step stays the newest"
+    )
+
+
+class StoreCoordinator:
+    """A client of the job's TCPStore. One per thread that blocks on it."""
+
+    def __init__(self, addr: StoreAddress, rank: int, timeout: float = 60.0) -> None:
+        from torch.distributed import TCPStore
+
+        self.addr = addr
+        self.rank = rank
+        self._p = f"incluster/{addr.job}/"
+        self.store = TCPStore(
+            addr.host,
+            addr.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+
+    def _k(self, kind: str, step: int | None = None) -> str:
+        return f"{self._p}{kind}" if step is None else f"{self._p}{kind}/{step}"
+
+    def committed(self, step: int) -> None:
+        n = self.store.add(self._k("c", step), 1)
+        if n < self.addr.quorum:
+            return
+        self.store.compare_set(self._k("o", step), "", Outcome.COMMITTED.value)
+        self._raise_latest(step)
+
+    def _raise_latest(self, step: int) -> None:
+        key = self._k("latest")
+        expected = ""
+        for _ in range(64):  # a few racing completions at most; bounded regardless
+            cur = self.store.compare_set(key, expected, str(step)).decode()
+            if cur == str(step) or (cur and int(cur) >= step):
+                return
+            expected = cur
+
+    def failed(self, step: int, reason: str) -> None:
+        value = f"{Outcome.FAILED.value}:{self.rank}:{reason.replace(chr(10), ' ')[:500]}"
+        self.store.compare_set(self._k("o", step), "", value)
+
+    def wait_outcome(self, step: int, timeout: float) -> None:
+        key = self._k("o", step)
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # DistStoreError on timeout, or the store went away
+            if "timeout" not in str(exc).lower():
+                raise PeerTimeoutError(f"lost the job store while waiting for step {step}: {exc}") from None
+            n = int(self.store.add(self._k("c", step), 0))
+            raise PeerTimeoutError(
+                f"step {step} was not committed by every rank within {timeout:.0f} s "
+                f"({n} of {self.addr.quorum} copies committed); a rank or its writer is stuck or dead"
+            ) from None
+        _raise_for(step, self.store.get(key).decode())
+
+    def latest(self) -> int | None:
+        key = self._k("latest")
+        if not self.store.check([key]):
+            return None
+        return int(self.store.get(key).decode())
+
+    def close(self) -> None:
+        self.store = None  # type: ignore[assignment]
+
+
+def host_store(job: str, world_size: int, copies_per_rank: int = 1) -> tuple[object, StoreAddress]:
+    """Rank 0 only: start the job store on an OS-chosen port; returns (server, address).
+
+    The address is ``MASTER_ADDR`` when set, else this host's name.
+    """
+    import os
+    import socket
+
+    from torch.distributed import TCPStore
+
+    host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+    server = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    return server, StoreAddress(host, int(server.port), job, world_size, copies_per_rank)

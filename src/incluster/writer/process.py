@@ -1,0 +1,175 @@
+"""The trainer's side of the writer process (``writer="process"``, the default).
+
+One writer process per trainer rank, started once as a fresh interpreter
+(``python -m incluster.writer.worker``) connected by a socket pair: like the spawn start
+method, but it never re-imports the trainer's ``__main__``, so a training script without
+an ``if __name__ == "__main__"`` guard cannot start a second training run by accident.
+
+Handshake with a timeout; typed messages with a generation id; a receiver thread turns
+replies into futures. If the writer dies, every pending save fails with
+:class:`WriterProcessDied` carrying its pid and exit code, and so does every later one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+
+from incluster.errors import CommitError, PeerTimeoutError, WriterProcessDied
+from incluster.staging.slots import Slot
+from incluster.writer.local_commit import CommitRequest
+from incluster.writer.protocol import Kind, Message, WriterParams
+
+_gens = itertools.count(1)
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "is unresponsive"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class ProcessWriter:
+    def __init__(self, params: WriterParams, handshake_timeout_s: float = 120.0) -> None:
+        self.params = params
+        self.gen = params.gen
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "incluster.writer.worker", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        theirs.close()
+        self.pid: int | None = self.proc.pid
+        self.conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, tuple[Future[str], Future[None]]] = {}
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._dead: WriterProcessDied | None = None
+        self._bye = threading.Event()
+        self._send(Message(Kind.HELLO, self.gen, payload=params))
+        if not self.conn.poll(handshake_timeout_s):
+            self.proc.kill()
+            raise WriterProcessDied(
+                f"the writer process (pid {self.pid}) did not answer within {handshake_timeout_s:.0f} s; "
+                f"check that `python -m incluster.writer.worker` can start in this environment"
+            )
+        try:
+            hello = self.conn.recv()
+        except (EOFError, OSError):
+            code = self.proc.wait(10)
+            raise WriterProcessDied(f"the writer process (pid {self.pid}) {_describe(code)} during start-up") from None
+        if hello.kind is not Kind.HELLO:
+            self.proc.wait(10)
+            raise WriterProcessDied(f"the writer process (pid {self.pid}) could not start: {hello.error}")
+        self._receiver = threading.Thread(target=self._receive, name="incluster-writer-rx", daemon=True)
+        self._receiver.start()
+
+    def _send(self, msg: Message) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[str], Future[None]]":
+        local: Future[str] = Future()
+        outcome: Future[None] = Future()
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            seq = next(self._seq)
+            self._pending[seq] = (local, outcome)
+        try:
+            self._send(Message(Kind.COMMIT, self.gen, seq, req.step, req))
+        except OSError:
+            self._on_death()
+            raise self._dead or WriterProcessDied("the writer process is gone") from None
+        return local, outcome
+
+    def fail(self, step: int, reason: str) -> None:
+        try:
+            self._send(Message(Kind.FAIL, self.gen, step=step, error=reason))
+        except OSError:
+            pass  # a dead writer is reported through the futures
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg: Message = self.conn.recv()
+            except (EOFError, OSError):
+                if not self._bye.is_set():
+                    self._on_death()
+                return
+            if msg.gen != self.gen:
+                continue  # a stale reply: never applied to this writer's saves
+            if msg.kind is Kind.BYE:
+                self._bye.set()
+                continue
+            with self._lock:
+                futs = self._pending.get(msg.seq)
+                if futs is not None and msg.kind in (Kind.OUTCOME, Kind.ERROR):
+                    del self._pending[msg.seq]
+            if futs is None:
+                continue
+            local, outcome = futs
+            if msg.kind is Kind.LOCAL_DONE:
+                local.set_result(msg.payload)
+            elif msg.kind is Kind.ERROR:
+                err = CommitError(f"writer (pid {self.pid}) failed to commit step {msg.step}: {msg.error}")
+                local.set_exception(err)
+                outcome.set_exception(err)
+            elif msg.kind is Kind.OUTCOME:
+                if msg.error is None:
+                    outcome.set_result(None)
+                elif msg.error_type == "PeerTimeoutError":
+                    outcome.set_exception(PeerTimeoutError(msg.error))
+                else:
+                    outcome.set_exception(CommitError(msg.error))
+
+    def _on_death(self) -> None:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        err = WriterProcessDied(
+            f"the writer process (pid {self.pid}) {_describe(code)}; saves in flight are lost "
+            f"(committed steps are intact) - create a new Checkpointer or restart the job"
+        )
+        with self._lock:
+            self._dead = err
+            pending, self._pending = self._pending, {}
+        for local, outcome in pending.values():
+            for f in (local, outcome):
+                if not f.done():
+                    f.set_exception(err)
+
+    def close(self, timeout: float) -> None:
+        if self._dead is None and self.proc.poll() is None:
+            try:
+                self._send(Message(Kind.SHUTDOWN, self.gen, payload=timeout))
+                self._bye.wait(timeout)
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout if self._bye.is_set() else 1)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+
+def next_generation() -> int:
+    return next(_gens) + (os.getpid() << 20)

@@ -1,0 +1,45 @@
+"""Typed messages between a trainer and its writer, each tagged with a generation id.
+
+A reply whose generation is not the writer's current one is stale (from a writer of an
+earlier Checkpointer in the same process) and is dropped, never applied to a new save.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from incluster.commit import StoreAddress
+
+
+class Kind(enum.Enum):
+    HELLO = "hello"  # trainer -> writer: WriterParams; writer -> trainer: its pid
+    COMMIT = "commit"  # trainer -> writer: a CommitRequest
+    FAIL = "fail"  # trainer -> writer: publish that a step failed on this rank
+    SHUTDOWN = "shutdown"  # trainer -> writer: finish outstanding work, then exit
+    LOCAL_DONE = "local_done"  # writer -> trainer: shard committed on this node (payload: path)
+    OUTCOME = "outcome"  # writer -> trainer: global outcome (error None = committed everywhere)
+    ERROR = "error"  # writer -> trainer: the local commit failed (error: message)
+    BYE = "bye"  # writer -> trainer: shut down cleanly
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: Kind
+    gen: int
+    seq: int = 0
+    step: int = -1
+    payload: Any = None
+    error: str | None = None
+    error_type: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterParams:
+    """What a writer needs to start (picklable: crosses the process boundary)."""
+
+    rank: int
+    gen: int
+    store: StoreAddress | None  # None: a single rank, no job store
+    outcome_timeout_s: float

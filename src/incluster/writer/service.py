@@ -1,0 +1,76 @@
+"""What a writer does, wherever it runs: commit a staged slot, count it, await the outcome.
+
+Used by the thread writer (inside the trainer process) and by the writer process.
+Holds two coordinator clients: one for counting and publishing, one that blocks waiting
+for outcomes, so a slow peer never stalls the next local commit.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+from incluster.commit import Coordinator, SoloCoordinator, StoreCoordinator
+from incluster.testing import faults
+from incluster.writer.local_commit import CommitRequest, commit_shard
+from incluster.writer.protocol import WriterParams
+
+
+def _coordinator(params: WriterParams) -> Coordinator:
+    if params.store is None:
+        return SoloCoordinator()
+    return StoreCoordinator(params.store, params.rank)
+
+
+class CommitService:
+    def __init__(self, params: WriterParams) -> None:
+        self.params = params
+        self.coord = _coordinator(params)
+        self.watch = self.coord if params.store is None else _coordinator(params)
+        self._maps: dict[str, tuple[int, int, int, mmap.mmap]] = {}  # slot key -> (ino, size, fd, map)
+
+    def commit(self, req: CommitRequest, buf: Any = None) -> str:
+        """Commit locally, then count the commit in the job store. Returns the shard path."""
+        try:
+            faults.check("commit", req.rank, req.step)
+            if buf is None:
+                buf = self._map(req) if req.size else b""
+            path, _ = commit_shard(req, buf)
+        except BaseException as exc:
+            self.fail(req.step, f"{type(exc).__name__}: {exc}")
+            raise
+        self.coord.committed(req.step)
+        return path
+
+    def fail(self, step: int, reason: str) -> None:
+        try:
+            self.coord.failed(step, reason)
+        except Exception:  # noqa: BLE001 - the store may be gone; peers then time out instead
+            pass
+
+    def wait_outcome(self, step: int) -> None:
+        self.watch.wait_outcome(step, self.params.outcome_timeout_s)
+
+    def _map(self, req: CommitRequest) -> mmap.mmap:
+        """The writer's own mapping of the slot file, kept while the slot's inode and size stay."""
+        st = os.stat(req.staging_path)
+        key = str(req.slot)
+        cached = self._maps.get(key)
+        if cached and cached[0] == st.st_ino and cached[1] == req.size:
+            return cached[3]
+        if cached:
+            cached[3].close()
+            os.close(cached[2])
+        fd = os.open(req.staging_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        mm = mmap.mmap(fd, req.size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self._maps[key] = (st.st_ino, req.size, fd, mm)
+        return mm
+
+    def close(self) -> None:
+        for _, _, fd, mm in self._maps.values():
+            mm.close()
+            os.close(fd)
+        self._maps.clear()
+        self.coord.close()
+        self.watch.close()

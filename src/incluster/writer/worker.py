@@ -1,0 +1,101 @@
+"""The writer process's main loop: ``python -m incluster.writer.worker FD``.
+
+Started by :class:`incluster.writer.process.ProcessWriter` as a fresh interpreter (it
+never re-imports the trainer's main script). Receives COMMIT requests naming slot files,
+maps those files itself (no tensor bytes cross the pipe), commits, counts the commit in
+the job store, and reports the local commit and, later, the global outcome.
+
+It exits when the trainer goes away: the pipe reaches EOF, and on Linux the kernel also
+sends SIGKILL when the parent dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+from incluster.writer.protocol import Kind, Message, WriterParams
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: pipe EOF still ends us
+
+
+def serve(conn: Connection) -> None:
+    from incluster.writer.service import CommitService
+
+    hello = conn.recv()
+    if not isinstance(hello, Message) or hello.kind is not Kind.HELLO or not isinstance(hello.payload, WriterParams):
+        raise SystemExit("incluster writer: bad handshake")
+    params: WriterParams = hello.payload
+    gen = params.gen
+    lock = threading.Lock()
+
+    def send(msg: Message) -> None:
+        with lock:
+            conn.send(msg)
+
+    try:
+        service = CommitService(params)
+    except Exception as exc:  # noqa: BLE001 - e.g. the job store is unreachable
+        send(Message(Kind.ERROR, gen, error=f"writer could not start: {exc}", error_type=type(exc).__name__))
+        return
+    send(Message(Kind.HELLO, gen, payload=os.getpid()))
+
+    outcomes: "queue.Queue[tuple[int, int] | None]" = queue.Queue()
+
+    def watch() -> None:
+        while (item := outcomes.get()) is not None:
+            seq, step = item
+            try:
+                service.wait_outcome(step)
+                send(Message(Kind.OUTCOME, gen, seq, step))
+            except Exception as exc:  # noqa: BLE001 - sent back, raised in the trainer
+                send(Message(Kind.OUTCOME, gen, seq, step, error=str(exc), error_type=type(exc).__name__))
+
+    watcher = threading.Thread(target=watch, name="incluster-outcome", daemon=True)
+    watcher.start()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # the trainer is gone
+        if msg.kind is Kind.COMMIT:
+            try:
+                path = service.commit(msg.payload)
+            except Exception as exc:  # noqa: BLE001
+                send(Message(Kind.ERROR, gen, msg.seq, msg.step, error=str(exc), error_type=type(exc).__name__))
+                continue
+            send(Message(Kind.LOCAL_DONE, gen, msg.seq, msg.step, payload=path))
+            outcomes.put((msg.seq, msg.step))
+        elif msg.kind is Kind.FAIL:
+            service.fail(msg.step, msg.error or "failed")
+        elif msg.kind is Kind.SHUTDOWN:
+            outcomes.put(None)
+            watcher.join(msg.payload or None)
+            service.close()
+            send(Message(Kind.BYE, gen))
+            return
+
+
+def main() -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which drains us
+    conn = Connection(int(sys.argv[1]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""`incluster goodput ...` end to end, in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from incluster.goodput import model as m
+from incluster.goodput.scenarios import CONFIGURATIONS, INCLUSTER, Costs, build
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "incluster", "goodput", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_json_is_the_model(tmp_path: Path) -> None:
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"persistent_gib_per_s": 0.5}))
+    p = run("plan", "--gpus", "1024", "--interruptions-per-day", "5", "--state-gib", "2",
+            "--costs", str(costs), "--restart-s", "60", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    cfg = build(INCLUSTER, Costs(persistent_gib_per_s=0.5, restart_s=60), state_gib=2,
+                interruptions_per_day=5, gpus=1024)
+    want = m.optimize(cfg)
+    assert out["plan"]["interval_s"] == pytest.approx(want.interval_s)
+    assert out["plan"]["badput_pct"]["total"] == pytest.approx(100 * want.badput)
+    assert [t["every"] for t in out["plan"]["tiers"]] == list(want.tier_every)
+    assert out["plan"]["gpu_hours_per_day"] == pytest.approx(want.badput * 1024 * 24)
+    assert list(out["compare"]) == list(CONFIGURATIONS)
+
+
+def test_plan_table_and_fixed_interval() -> None:
+    p = run("plan", "--gpus", "1000", "--interruptions-per-day", "5", "--interval-s", "60",
+            "--persistent-every", "10")
+    assert p.returncode == 0, p.stderr
+    assert "expected badput" in p.stdout and "1 in 10" in p.stdout
+    assert "save every 60.0 s" in p.stdout
+
+
+def test_report_timeline_and_errors(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events-rank00000-pid5.jsonl").write_text(
+        '{"t": 0, "kind": "start"}\n'
+        '{"t": 4, "kind": "load", "step": null, "seconds": 1}\n'
+        '{"t": 9.5, "kind": "save", "step": 5, "blocked_s": 0.5}\n'
+        '{"t": 10, "kind": "end"}\n'
+    )
+    p = run("report", str(run_dir), "--json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    # restart: 4 - 0 - 1 load; goodput: 10 - 3 - 1 - 0.5
+    assert rep["badput_s"]["restart"] == 3 and rep["goodput_s"] == pytest.approx(5.5)
+    p = run("report", str(run_dir))
+    assert p.returncode == 0 and "goodput" in p.stdout and "55.00 %" in p.stdout
+    p = run("timeline", str(run_dir), "-o", str(tmp_path / "t.png"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    p = run("report", str(tmp_path / "missing"))
+    assert p.returncode == 2 and "no events" in p.stderr
+
+
+def test_plot_writes_the_figure_and_prints_its_numbers(tmp_path: Path) -> None:
+    out = tmp_path / "fig.png"
+    p = run("plot", "-o", str(out), "--json", "--state-gib", "4")
+    assert p.returncode == 0, p.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    curves = json.loads(p.stdout)["badput_pct"]
+    want = m.optimize(build(CONFIGURATIONS[0], Costs(), state_gib=4, interruptions_per_day=20,
+                            include_restart=False))
+    assert curves[CONFIGURATIONS[0]][19] == pytest.approx(100 * want.checkpoint_badput)
+    p = run("plot", "-o", str(out), "--costs", str(tmp_path / "nope.json"))
+    assert p.returncode == 2 and "cannot read costs" in p.stderr

@@ -1,0 +1,183 @@
+"""goodput.report: accounting of hand-built runs, checked against hand-computed seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from incluster.goodput.report import build_report, percentile, read_run
+
+GIB = 1 << 30
+
+
+def write(run: Path, rank: int, pid: int, events: list[tuple], torn: str | None = None) -> None:
+    """events: (t, kind, fields)."""
+    lines = [json.dumps({"t": t, "kind": k, "rank": rank, "pid": pid, **f}) for t, k, f in events]
+    text = "".join(line + "\n" for line in lines) + (torn or "")
+    (run / f"events-rank{rank:05d}-pid{pid}.jsonl").write_text(text)
+
+
+def steps(first: int, times: list[float]) -> list[tuple]:
+    return [(t, "train_step", {"step": first + i}) for i, t in enumerate(times)]
+
+
+@pytest.fixture
+def two_rank_run(tmp_path: Path) -> Path:
+    """Two ranks, one failure at ~t=23, restart from step 4 (see the hand accounting below)."""
+    write(tmp_path, 0, 100, [
+        (0, "start", {"world_size": 2}),
+        (10, "load", {"step": None, "source": "none", "bytes": 0, "seconds": 2}),
+        *steps(0, [11, 12, 13, 14, 15]),
+        (15.5, "save", {"step": 4, "blocked_s": 0.5}),
+        (15.6, "staged", {"step": 4, "seconds": 0.3}),
+        (16, "durable", {"step": 4, "tier": "local", "seconds": 1.0}),
+        *steps(5, [17, 18]),
+        (19, "durable", {"step": 4, "tier": "persistent", "seconds": 4.0}),
+        *steps(7, [20]),
+        (20.25, "save", {"step": 7, "blocked_s": 0.25}),
+        (20.4, "staged", {"step": 7, "seconds": 0.2}),
+        *steps(8, [21, 23]),
+    ], torn='{"t": 24, "kind": "train_st')
+    write(tmp_path, 0, 200, [
+        (30, "start", {"world_size": 2}),
+        (35, "load", {"step": 4, "source": "replica", "bytes": GIB, "seconds": 3}),
+        *steps(5, [36, 37, 38, 39, 40]),
+        (40.5, "save", {"step": 9, "blocked_s": 0.5}),
+        (41, "durable", {"step": 9, "tier": "local", "seconds": 0.75}),
+        (45, "end", {}),
+    ])
+    write(tmp_path, 1, 101, [
+        (1, "start", {"world_size": 2}),
+        (10, "load", {"step": None, "source": "none", "bytes": 0, "seconds": 1.5}),
+        *steps(0, [11, 12, 13, 14, 15]),
+        (15.5, "save", {"step": 4, "blocked_s": 0.5}),
+        *steps(5, [17, 18, 20]),
+        (20.25, "save", {"step": 7, "blocked_s": 0.25}),
+        *steps(8, [21]),
+        (22, "durable", {"step": 7, "tier": "local", "seconds": 1.75}),
+    ])
+    write(tmp_path, 1, 201, [
+        (30.5, "start", {"world_size": 2}),
+        (34, "load", {"step": 4, "source": "local", "bytes": GIB, "seconds": 2.5}),
+        *steps(5, [36, 37, 38, 39, 40]),
+        (40.5, "save", {"step": 9, "blocked_s": 0.75}),
+        (44, "end", {}),
+    ])
+    return tmp_path
+
+
+def test_two_rank_run_accounting(two_rank_run: Path) -> None:
+    r = build_report(two_rank_run)
+    assert (r.ranks, r.attempts, r.truncated_files) == (2, 2, 1)
+    assert r.wall_s == 45
+    # rank 0: save .5+.25+.5; load 2+3; restart (10-0-2) + (35-30-3) + gap (30-23);
+    #         lost: held step 4 at t=15, died at 23, minus saves blocked in between (.75).
+    assert r.per_rank[0] == pytest.approx({
+        "checkpoint_save": 1.25, "checkpoint_load": 5, "restart": 17, "lost_progress": 7.25,
+        "other": 0, "goodput": 14.5})
+    # rank 1: restart (10-1-1.5) + (34-30.5-2.5) + (30.5-22); lost 22-15-.75;
+    #         other: starts 1 s late and ends 1 s early.
+    assert r.per_rank[1] == pytest.approx({
+        "checkpoint_save": 1.5, "checkpoint_load": 4, "restart": 17, "lost_progress": 6.25,
+        "other": 2, "goodput": 14.25})
+    assert r.badput_s == pytest.approx({"checkpoint_save": 1.375, "checkpoint_load": 4.5,
+                                        "lost_progress": 6.75, "restart": 17, "other": 1})
+    assert r.goodput_s == pytest.approx(14.375)
+    assert r.goodput_pct == pytest.approx(100 * 14.375 / 45)
+    assert sum(r.badput_pct.values()) + r.goodput_pct == pytest.approx(100)
+
+
+def test_checkpoint_statistics(two_rank_run: Path) -> None:
+    c = build_report(two_rank_run).checkpoints
+    assert (c.saves, c.save_failures, c.loads) == (6, 0, 4)
+    # blocked: .25 .25 .5 .5 .5 .75 -> p50 at position 2.5, p99 at 4.95
+    assert c.blocked_p50_s == pytest.approx(0.5)
+    assert c.blocked_p99_s == pytest.approx(0.5 + 0.95 * 0.25)
+    assert c.staged_p50_s == pytest.approx(0.25)
+    assert c.durable["local"] == pytest.approx(
+        {"count": 3, "p50_s": 1.0, "p99_s": 1.0 + 0.98 * 0.75})
+    assert c.durable["persistent"] == pytest.approx({"count": 1, "p50_s": 4.0, "p99_s": 4.0})
+    assert c.load_bytes == 2 * GIB
+    assert c.load_p50_s == pytest.approx(2.25)  # 1.5 2 2.5 3
+    assert c.load_sources == {"none": 2, "replica": 1, "local": 1}
+
+
+def test_report_is_json_serialisable(two_rank_run: Path) -> None:
+    d = json.loads(json.dumps(build_report(two_rank_run).to_dict()))
+    assert d["goodput_pct"] == pytest.approx(100 * 14.375 / 45)
+    assert d["per_rank"]["1"]["other"] == 2
+    assert d["checkpoints"]["durable"]["local"]["count"] == 3
+
+
+def test_restart_from_scratch_loses_everything_after_the_first_step(tmp_path: Path) -> None:
+    write(tmp_path, 0, 1, [
+        (0, "start", {"world_size": 1}),
+        *steps(0, [2, 3]),
+        (3.5, "save", {"step": 1, "blocked_s": 0.5}),
+        *steps(2, [4.5, 5.5]),
+    ])
+    write(tmp_path, 0, 2, [
+        (10, "start", {"world_size": 1}),
+        (12, "load", {"step": None, "source": "none", "bytes": 0, "seconds": 1}),
+        *steps(0, [13, 14]),
+        (20, "end", {}),
+    ])
+    r = build_report(tmp_path)
+    # init 2 (no load: the first step counts as initialisation) + (12-10-1) + gap 4.5;
+    # lost: from the first progress (t=2) to 5.5, minus 0.5 blocked.
+    assert r.badput_s == pytest.approx({"checkpoint_save": 0.5, "checkpoint_load": 1,
+                                        "lost_progress": 3.0, "restart": 7.5, "other": 0})
+    assert r.goodput_s == pytest.approx(8)
+
+
+def test_falling_back_to_an_older_step_loses_two_attempts(tmp_path: Path) -> None:
+    write(tmp_path, 0, 1, [(0, "start", {}), (1, "load", {"step": None, "seconds": 0}),
+                           *steps(0, [2, 3, 4, 5, 6, 7, 8, 9, 10, 11])])  # steps 0..9
+    write(tmp_path, 0, 2, [(20, "start", {}), (21, "load", {"step": 9, "seconds": 1}),
+                           *steps(10, [22, 23, 24])])
+    write(tmp_path, 0, 3, [(30, "start", {}), (32, "load", {"step": 4, "seconds": 2}),
+                           *steps(5, [33, 34]), (40, "end", {})])
+    r = build_report(tmp_path)
+    # attempt 1 held step 4 at t=6 and died at 11: 5 s lost; attempt 2 never held a
+    # step <= 4, so everything from its load (t=21) to its death (t=24) is lost: 3 s.
+    assert r.badput_s["lost_progress"] == pytest.approx(8)
+    # restart: (1-0-0) + (21-20-1) + (32-30-2) + gaps (20-11) + (30-24)
+    assert r.badput_s["restart"] == pytest.approx(1 + 0 + 0 + 9 + 6)
+    assert r.badput_s["checkpoint_load"] == pytest.approx(3)
+    # kept: attempt 1 from its load to step 4 (t=1..6), attempt 3 from its load (32..40)
+    assert r.goodput_s == pytest.approx(5 + 8) == 40 - 8 - 16 - 3
+
+
+def test_damaged_middle_line_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "events-rank00000-pid7.jsonl").write_text(
+        '{"t": 0, "kind": "start"}\nnot json\n{"t": 2, "kind": "end"}\n')
+    with pytest.raises(ValueError, match=r"pid7.jsonl:2: damaged"):
+        build_report(tmp_path)
+
+
+def test_complete_last_line_without_newline_is_kept(tmp_path: Path) -> None:
+    (tmp_path / "events-rank00002-pid7.jsonl").write_text(
+        '{"t": 0, "kind": "start"}\n{"t": 5, "kind": "end"}')
+    runs = read_run(tmp_path)
+    (attempt,) = runs[2]
+    assert (attempt.pid, attempt.last_t, attempt.ended, attempt.truncated) == (7, 5, True, False)
+
+
+def test_empty_folder_names_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no events"):
+        build_report(tmp_path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=40), st.floats(0, 100))
+def test_percentile_matches_numpy(xs: list[float], q: float) -> None:
+    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-9, abs=1e-6)
+
+
+def test_percentile_of_nothing_is_none() -> None:
+    assert percentile([], 50) is None
