@@ -22,7 +22,7 @@ import torch
 
 from incluster import config as _config
 from incluster.commit import StoreAddress, host_store
-from incluster.errors import CheckpointError, CommitError, PeerTimeoutError
+from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, WriterProcessDied
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.restore import restore
@@ -63,6 +63,7 @@ class Checkpointer:
         self.ring = SlotRing(self.folder, self.config.keep, on_unmap=self._on_unmap)
         self._stager = Stager(self.ring, self.config.allow_pickle)
         self._store_server, address = self._start_store()
+        self._store_address = address
         params = WriterParams(
             rank=self.rank, gen=next_generation(), store=address, outcome_timeout_s=self.config.slot_timeout_s
         )
@@ -90,6 +91,28 @@ class Checkpointer:
         box = [address]
         dist.broadcast_object_list(box, src=0)
         return server, box[0]
+
+    def _release_store(self) -> None:
+        """Every rank checks out of the job store; rank 0 keeps it up until all have
+        (bounded), so no rank loses the store while it still waits for an outcome."""
+        if self._store_address is None:
+            return
+        from incluster.commit import StoreCoordinator
+
+        key = f"incluster/{self.config.job}/closed"
+        try:
+            if self.rank != 0:
+                StoreCoordinator(self._store_address, self.rank, timeout=10).store.add(key, 1)
+                return
+            store = self._store_server
+            store.add(key, 1)  # type: ignore[attr-defined]
+            deadline = time.monotonic() + self.config.slot_timeout_s
+            while store.add(key, 0) < self.world_size and time.monotonic() < deadline:  # type: ignore[attr-defined]
+                time.sleep(0.01)
+        except Exception as exc:  # noqa: BLE001 - closing must not raise for a peer's sake
+            log.warning("incluster: rank %d could not check out of the job store: %s", self.rank, exc)
+        finally:
+            self._store_server = None
 
     @property
     def writer_pid(self) -> int | None:
@@ -176,7 +199,8 @@ class Checkpointer:
     def _outcome(self, job: StageJob, handle: SaveHandle, fut: "Future[None]") -> None:
         exc = fut.exception()
         if exc is not None:
-            self._fail(job, handle, exc, "commit", published=True)
+            # The writer published its own failures; a dead writer could not.
+            self._fail(job, handle, exc, "commit", published=not isinstance(exc, WriterProcessDied))
             return
         self.ring.set_global(job.step)
         self._drop_unheld(job.step)
@@ -335,6 +359,7 @@ class Checkpointer:
             self._stage_pool.shutdown(wait=True)
             self._writer.close(self.config.slot_timeout_s)
             self.ring.close()
+            self._release_store()
             self.events.record(ev.END)
             self.events.close()
 

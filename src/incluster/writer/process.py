@@ -100,10 +100,20 @@ class ProcessWriter:
         return local, outcome
 
     def fail(self, step: int, reason: str) -> None:
-        try:
-            self._send(Message(Kind.FAIL, self.gen, step=step, error=reason))
-        except OSError:
-            pass  # a dead writer is reported through the futures
+        if self._dead is None:
+            try:
+                self._send(Message(Kind.FAIL, self.gen, step=step, error=reason))
+                return
+            except OSError:
+                pass
+        # The writer is gone: tell the other ranks from here, so none of them waits.
+        if self.params.store is not None:
+            from incluster.commit import StoreCoordinator
+
+            try:
+                StoreCoordinator(self.params.store, self.params.rank, timeout=10).failed(step, reason)
+            except Exception:  # noqa: BLE001 - the store is gone too; peers time out instead
+                pass
 
     def _receive(self) -> None:
         while True:

@@ -1,0 +1,96 @@
+"""Multi-rank saves and restores with real processes, gloo, writer processes, SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from incluster.testing import FaultInjector
+from incluster.testing.launch import launch
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "trainer_script.py")
+
+
+def _run(base, attempt, *, nodes, rpn=1, steps=4, every=2, env=None, rank_env=None, timeout=120):
+    out = os.path.join(base, "out")
+    os.makedirs(out, exist_ok=True)
+    e = {"ATTEMPT": str(attempt), "TIMEOUT_S": "20", **(env or {})}
+    job = launch([SCRIPT, out, str(steps), str(every)], nodes=nodes, ranks_per_node=rpn, base_dir=base, env=e, rank_env=rank_env)
+    codes = job.wait(timeout)
+    results = {}
+    for r in range(len(nodes) * rpn):
+        path = os.path.join(out, f"result-r{r}-{attempt}.json")
+        results[r] = json.load(open(path)) if os.path.exists(path) else None
+    return codes, results, job
+
+
+def _assert_restored(results, first, step):
+    for r, res in results.items():
+        assert res["loaded"] == step, (r, res["loaded"])
+        assert res["loaded_digest"] == first[r]["digests"][str(step)], f"rank {r} restored state differs from step {step}"
+
+
+def test_two_ranks_save_and_restore_bitwise_with_writer_processes(local_dir):
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"])
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    assert all(r["errors"] == {} and r["writer_pid"] for r in first.values())
+    assert first[0]["node"] == "n0" and first[1]["node"] == "n1"
+    assert sorted(os.listdir(os.path.join(local_dir, "n1", "mp", "rank-00001")))[-1] == "step-000000000004.safetensors"
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=6)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 4)
+
+
+def test_four_ranks_on_two_nodes_thread_writer(local_dir):
+    nodes = ["a", "b"]
+    codes, first, job = _run(local_dir, 0, nodes=nodes, rpn=2, env={"WRITER": "thread"})
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    assert sorted(os.listdir(os.path.join(local_dir, "b", "mp"))) == ["rank-00002", "rank-00003"]
+    codes, second, job = _run(local_dir, 1, nodes=nodes, rpn=2, env={"WRITER": "thread"}, steps=4)
+    assert codes == [0] * 4
+    _assert_restored(second, first, 4)
+
+
+def test_one_ranks_writer_failing_fails_the_step_on_every_rank(local_dir):
+    fault = FaultInjector().fail_at(rank=1, step=4, phase="commit", action="raise").env()
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], rank_env={1: fault})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    for r in (0, 1):
+        kind, msg = first[r]["errors"]["4"]
+        assert kind == "CommitError" and "rank 1" in msg, (r, msg)
+        assert "2" not in first[r]["errors"]
+    # no rank keeps a copy of step 4 that could be mistaken for a complete step
+    assert not os.path.exists(os.path.join(local_dir, "n0", "mp", "rank-00000", "step-000000000004.json"))
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4)
+    assert codes == [0, 0]
+    _assert_restored(second, first, 2)
+
+
+def test_writer_killed_mid_commit(local_dir):
+    fault = FaultInjector().fail_at(rank=1, step=4, phase="commit", action="kill").env()
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], rank_env={1: fault})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    kind, msg = first[1]["errors"]["4"]
+    assert kind == "WriterProcessDied" and "SIGKILL" in msg and str(first[1]["writer_pid"]) in msg
+    kind, msg = first[0]["errors"]["4"]
+    assert kind == "CommitError" and "rank 1" in msg
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4)
+    assert codes == [0, 0]
+    _assert_restored(second, first, 2)
+
+
+def test_trainer_killed_mid_save_no_rank_hangs(local_dir):
+    fault = FaultInjector().fail_at(rank=1, step=4, phase="stage", action="kill").env()
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], rank_env={1: fault}, env={"TIMEOUT_S": "6"})
+    assert codes[1] == -signal.SIGKILL
+    assert codes[0] == 0, job.output(0)
+    kind, msg = first[0]["errors"]["4"]
+    assert kind == "PeerTimeoutError" and "1 of 2" in msg
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 2)

@@ -1,0 +1,78 @@
+"""A rank of a small data-parallel job, launched by the multi-process tests.
+
+    python trainer_script.py OUT_DIR STEPS EVERY
+
+Restores (collectively), trains to STEPS saving every EVERY steps, and writes
+``OUT_DIR/result-r{rank}-{attempt}.json``: the step restored, a digest of the state
+right after the restore, the digest of the state at each save, and any save errors.
+Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``ATTEMPT``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import incluster
+
+
+def digest(model: torch.nn.Module, optim: torch.optim.Optimizer, extra: dict) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    for pid, s in sorted(optim.state_dict()["state"].items()):
+        for k, v in sorted(s.items()):
+            h.update(f"{pid}/{k}".encode())
+            h.update(v.detach().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+    h.update(json.dumps(extra, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def main() -> int:
+    out, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = {"step": -1, "rank": rank}
+    state = {"model": model, "optim": optim, "extra": extra}
+    ckpt = incluster.Checkpointer(
+        job="mp", writer=os.environ.get("WRITER", "process"), slot_timeout_s=float(os.environ.get("TIMEOUT_S", "30"))
+    )
+    result: dict = {"rank": rank, "node": ckpt.config.node, "writer_pid": ckpt.writer_pid, "digests": {}, "errors": {}}
+    start = ckpt.load(state)
+    result["loaded"] = start
+    result["loaded_digest"] = digest(model, optim, state["extra"])
+    g = torch.Generator().manual_seed(rank)
+    for step in range((start or 0) + 1, steps + 1):
+        model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        state["extra"]["step"] = step
+        if step % every == 0:
+            result["digests"][step] = digest(model, optim, state["extra"])
+            try:
+                ckpt.save(step, state).wait()
+            except incluster.CheckpointError as exc:
+                result["errors"][step] = [type(exc).__name__, str(exc)]
+        with open(os.path.join(out, f"result-r{rank}-{os.environ.get('ATTEMPT', '0')}.json"), "w") as f:
+            json.dump(result, f)
+    try:
+        ckpt.close()
+    except incluster.CheckpointError as exc:
+        result["errors"]["close"] = [type(exc).__name__, str(exc)]
+    with open(os.path.join(out, f"result-r{rank}-{os.environ.get('ATTEMPT', '0')}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
