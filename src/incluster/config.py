@@ -22,7 +22,7 @@ class Config:
     node: str
     """This node's identity (``INCLUSTER_NODE``, default the host name)."""
     keep: int = 2
-    """Slot files per shard; the newest committed step is never overwritten."""
+    """Slot files per shard (>= 2); the newest complete step is never overwritten."""
     allow_pickle: bool = False
     """Store objects that are not tensors/JSON with pickle. Loading them can run code."""
     slot_timeout_s: float = 300.0
@@ -37,8 +37,11 @@ class Config:
 
     def __post_init__(self) -> None:
         check_job(self.job)
-        if not isinstance(self.keep, int) or self.keep < 1:
-            raise ValueError(f"keep must be an integer >= 1 (got {self.keep!r})")
+        if not isinstance(self.keep, int) or self.keep < 2:
+            raise ValueError(
+                f"keep must be an integer >= 2 (got {self.keep!r}): one slot always holds the newest "
+                f"complete step, so a save needs at least one more"
+            )
         if not self.slot_timeout_s > 0:
             raise ValueError(f"slot_timeout_s must be > 0 (got {self.slot_timeout_s!r})")
         if self.writer not in ("process", "thread"):

@@ -199,7 +199,7 @@ def test_rejected_state_fails_in_save_itself(local_dir):
 
 def test_bad_options_are_refused_with_the_rule():
     with pytest.raises(ValueError, match="keep"):
-        incluster.Checkpointer(local_dir="/tmp/x", keep=0)
+        incluster.Checkpointer(local_dir="/tmp/x", keep=1)
     with pytest.raises(ValueError, match="job"):
         incluster.Checkpointer(local_dir="/tmp/x", job="../evil")
 

@@ -12,6 +12,7 @@ IMPORTANT: no collectives and no blocking on other ranks here; this thread only 
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.layout import Layout, LayoutCache
 from incluster.staging.slots import Slot, SlotRing
 from incluster.state import Flat, flatten_snapshot
+
+log = logging.getLogger("incluster")
 
 
 @dataclass
@@ -82,6 +85,11 @@ class Stager:
         flat.tensors = []  # the bytes are in the slot now; let go of the live tensors
 
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
+        if self.layouts.misses == 1 and self.layouts.hits == 0:
+            log.info(
+                "incluster: shard is %.1f MiB; staging uses %d slot files = %.1f MiB of %s, allocated once",
+                layout.total_size / 2**20, self.ring.keep, self.ring.keep * layout.total_size / 2**20, self.ring.folder,
+            )
         buf = self.ring.prepare(slot, layout.total_size)
         if slot.header_fp != layout.fingerprint:
             header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
