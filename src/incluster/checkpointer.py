@@ -62,11 +62,22 @@ class Checkpointer:
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
         self.ring = SlotRing(self.folder, self.config.keep, on_unmap=self._on_unmap)
         self._stager = Stager(self.ring, self.config.allow_pickle)
-        self._store_server, address = self._start_store()
+        self._store_server, address, targets, sources = self._start_store()
         self._store_address = address
         params = WriterParams(
-            rank=self.rank, gen=next_generation(), store=address, outcome_timeout_s=self.config.slot_timeout_s
+            rank=self.rank,
+            gen=next_generation(),
+            store=address,
+            outcome_timeout_s=self.config.slot_timeout_s,
+            world_size=self.world_size,
+            targets=targets,
+            sources=sources,
+            local_dir=self.config.local_dir,
+            job=self.config.job,
+            node=self.config.node,
+            keep=self.config.keep,
         )
+        self.replica_targets = targets
         self._writer: Writer = ProcessWriter(params) if self.config.writer == "process" else ThreadWriter(params)
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
         self._inflight: StageJob | None = None
@@ -81,16 +92,38 @@ class Checkpointer:
         )
         self.events.record(ev.START, world_size=self.world_size, node=self.config.node)
 
-    def _start_store(self) -> tuple[object, StoreAddress | None]:
-        """Rank 0 hosts the job store; its address reaches every rank once, here."""
+    def _start_store(self) -> tuple[object, StoreAddress | None, tuple[int, ...], tuple[int, ...]]:
+        """Rank 0 learns every rank's node, places replicas, hosts the job store, and sends
+        each rank its store address and replica partners: one gather, one scatter."""
         if self.world_size == 1:
-            return None, None
+            return None, None, (), ()
         import torch.distributed as dist
 
-        server, address = host_store(self.config.job, self.world_size) if self.rank == 0 else (None, None)
-        box = [address]
-        dist.broadcast_object_list(box, src=0)
-        return server, box[0]
+        from incluster.topology import Topology, replica_targets
+
+        nodes: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(self.config.node, nodes, dst=0)
+        server, plans = None, None
+        if nodes is not None:
+            topo = Topology.from_nodes(nodes)
+            replicas = topo.effective_replicas(self.config.replicas)
+            if replicas < self.config.replicas:
+                log.warning(
+                    "incluster: %d replica(s) asked for, but the job spans %d node(s): keeping %d "
+                    "(a replica never lives on its owner's node)",
+                    self.config.replicas, len(topo.nodes), replicas,
+                )
+            server, address = host_store(self.config.job, self.world_size, 1 + replicas)
+            sources: dict[int, list[int]] = {r: [] for r in range(self.world_size)}
+            targets = {r: tuple(replica_targets(topo, r, replicas)) for r in range(self.world_size)}
+            for r, ts in targets.items():
+                for t in ts:
+                    sources[t].append(r)
+            plans = [(address, targets[r], tuple(sorted(sources[r]))) for r in range(self.world_size)]
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, plans, src=0)
+        address, my_targets, my_sources = box[0]
+        return server, address, my_targets, my_sources
 
     def _release_store(self) -> None:
         """Every rank checks out of the job store; rank 0 keeps it up until all have
@@ -203,7 +236,7 @@ class Checkpointer:
             self._fail(job, handle, exc, "commit", published=not isinstance(exc, WriterProcessDied))
             return
         self.ring.set_global(job.step)
-        self._drop_unheld(job.step)
+        self.ring.drop_unheld(job.step)
         handle.durable_s = time.perf_counter() - handle.started
         if self.world_size > 1:
             self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
@@ -254,17 +287,6 @@ class Checkpointer:
                 self.ring.release(slot)
         except Exception as exc:  # noqa: BLE001 - warming is an optimisation only
             log.warning("incluster: could not pre-allocate checkpoint slots: %s", exc)
-
-    def _drop_unheld(self, newest: int) -> None:
-        """Delete committed steps older than ``newest`` that no slot holds any more."""
-        held = set(self.ring.committed_steps())
-        for step in committed_steps(self.folder):
-            if step < newest and step not in held:
-                for name in (sidecar_file(step), step_file(step)):
-                    try:
-                        os.unlink(os.path.join(self.folder, name))
-                    except FileNotFoundError:
-                        pass
 
     def _pre_step_hook(self, *_: Any) -> None:
         """Optimizer pre-step: parameters must not change before the save's copy is done."""

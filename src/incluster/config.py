@@ -23,6 +23,8 @@ class Config:
     """This node's identity (``INCLUSTER_NODE``, default the host name)."""
     keep: int = 2
     """Slot files per shard (>= 2); the newest complete step is never overwritten."""
+    replicas: int = 1
+    """Copies of each rank's shard kept in other nodes' RAM (0: in-node copies only)."""
     allow_pickle: bool = False
     """Store objects that are not tensors/JSON with pickle. Loading them can run code."""
     slot_timeout_s: float = 300.0
@@ -37,6 +39,8 @@ class Config:
 
     def __post_init__(self) -> None:
         check_job(self.job)
+        if not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ValueError(f"replicas must be an integer >= 0 (got {self.replicas!r})")
         if not isinstance(self.keep, int) or self.keep < 2:
             raise ValueError(
                 f"keep must be an integer >= 2 (got {self.keep!r}): one slot always holds the newest "
@@ -56,6 +60,7 @@ def resolve(
     job: str | None = None,
     node: str | None = None,
     keep: int = 2,
+    replicas: int = 1,
     allow_pickle: bool = False,
     slot_timeout_s: float = 300.0,
     fsync: bool = False,
@@ -70,6 +75,7 @@ def resolve(
         job=job or env.get("INCLUSTER_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default",
         node=node or env.get("INCLUSTER_NODE") or socket.gethostname(),
         keep=keep,
+        replicas=replicas,
         allow_pickle=allow_pickle,
         slot_timeout_s=slot_timeout_s,
         fsync=fsync,

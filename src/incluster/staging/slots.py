@@ -32,6 +32,7 @@ from incluster.errors import CheckpointError, PeerTimeoutError
 
 STAGING_PREFIX = ".staging-"
 _SHARD = re.compile(r"^step-(\d{12,})\.safetensors$")
+_SIDECAR = re.compile(r"^step-(\d{12,})\.json$")
 
 
 def step_file(step: int) -> str:
@@ -268,6 +269,18 @@ class SlotRing:
         with self._cond:
             slot.state, slot.step = SlotState.FREE, None
             self._cond.notify_all()
+
+    def drop_unheld(self, newest: int) -> None:
+        """Delete committed steps older than ``newest`` that no slot holds (left by an
+        earlier process, or un-adopted): the folder stays at ``keep`` shards."""
+        held = set(self.committed_steps())
+        for name in sorted(os.listdir(self.folder)):  # ".json" (the marker) before the shard
+            m = _SHARD.match(name) or _SIDECAR.match(name)
+            if m and int(m.group(1)) < newest and int(m.group(1)) not in held:
+                try:
+                    os.unlink(os.path.join(self.folder, name))
+                except FileNotFoundError:
+                    pass
 
     def committed_steps(self) -> list[int]:
         with self._cond:

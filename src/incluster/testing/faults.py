@@ -7,7 +7,8 @@ processes the library starts itself (the writer process) and processes a test la
 
 Phases: ``stage`` (trainer, staging thread, before copying), ``commit`` (writer, before
 the checksum), ``sidecar`` (writer, after the rename, before the commit record),
-``load`` (before a restore copies bytes). Actions: ``raise`` (an
+``replicate`` (writer, before exchanging replicas), ``load`` (before a restore copies
+bytes). Actions: ``raise`` (an
 :class:`InjectedFault`), ``kill`` (SIGKILL of the process at that instant), ``hang``
 (touch ``<marker_dir>/fault-<phase>-r<rank>-s<step>`` then sleep, for an outside kill).
 """
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENV = "INCLUSTER_FAULTS"
-PHASES = ("stage", "commit", "sidecar", "load")
+PHASES = ("stage", "commit", "sidecar", "replicate", "load")
 ACTIONS = ("raise", "kill", "hang")
 
 

@@ -43,3 +43,10 @@ class WriterParams:
     gen: int
     store: StoreAddress | None  # None: a single rank, no job store
     outcome_timeout_s: float
+    world_size: int = 1
+    targets: tuple[int, ...] = ()  # ranks that keep this rank's replicas
+    sources: tuple[int, ...] = ()  # ranks whose replicas this rank keeps
+    local_dir: str = ""
+    job: str = ""
+    node: str = ""
+    keep: int = 2

@@ -29,19 +29,60 @@ class CommitService:
         self.coord = _coordinator(params)
         self.watch = self.coord if params.store is None else _coordinator(params)
         self._maps: dict[str, tuple[int, int, int, mmap.mmap]] = {}  # slot key -> (ino, size, fd, map)
+        self.replicator = None
+        if (params.targets or params.sources) and params.store is not None:
+            from incluster.replication import Replicator
 
-    def commit(self, req: CommitRequest, buf: Any = None) -> str:
-        """Commit locally, then count the commit in the job store. Returns the shard path."""
+            self.replicator = Replicator(
+                params.store,
+                params.rank,
+                params.world_size,
+                params.targets,
+                params.sources,
+                local_dir=params.local_dir,
+                job=params.job,
+                node=params.node,
+                keep=params.keep,
+                timeout_s=params.outcome_timeout_s,
+            )
+
+    def commit(self, req: CommitRequest, buf: Any = None) -> tuple[str, Any]:
+        """Commit locally, then count the commit in the job store.
+
+        Returns the shard path and what :meth:`replicate` needs to send it."""
         try:
             faults.check("commit", req.rank, req.step)
             if buf is None:
                 buf = self._map(req) if req.size else b""
-            path, _ = commit_shard(req, buf)
+            path, sidecar = commit_shard(req, buf)
         except BaseException as exc:
             self.fail(req.step, f"{type(exc).__name__}: {exc}")
             raise
         self.coord.committed(req.step)
-        return path
+        own = None
+        if self.replicator is not None:
+            import json
+
+            from incluster.replication import OwnShard
+
+            own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size)
+        return path, own
+
+    def replicate(self, step: int, own: Any) -> None:
+        """Exchange ``step``'s replicas with this rank's partners (``own`` None: nothing to
+        send, but still take part, so no partner waits). Failures fail the step."""
+        if self.replicator is None:
+            return
+        try:
+            faults.check("replicate", self.params.rank, step)
+            self.replicator.exchange(step, own, self.coord)
+        except BaseException as exc:
+            self.fail(step, f"replication: {type(exc).__name__}: {exc}")
+            raise
+
+    def on_outcome(self, step: int) -> None:
+        if self.replicator is not None:
+            self.replicator.set_global(step)
 
     def fail(self, step: int, reason: str) -> None:
         try:
@@ -62,8 +103,8 @@ class CommitService:
         if cached:
             cached[3].close()
             os.close(cached[2])
-        fd = os.open(req.staging_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        mm = mmap.mmap(fd, req.size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        fd = os.open(req.staging_path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        mm = mmap.mmap(fd, req.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         self._maps[key] = (st.st_ino, req.size, fd, mm)
         return mm
 
@@ -72,5 +113,7 @@ class CommitService:
             mm.close()
             os.close(fd)
         self._maps.clear()
+        if self.replicator is not None:
+            self.replicator.close()
         self.coord.close()
         self.watch.close()

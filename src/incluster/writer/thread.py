@@ -27,25 +27,48 @@ class ThreadWriter:
     def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[str], Future[None]]":
         if slot.mm is None and req.size:
             raise CheckpointError(f"slot {slot.index} is not mapped; it cannot be committed")
-        local = self._commit.submit(self._service.commit, req, slot.mm if slot.mm is not None else b"")
+        local: Future[str] = Future()
         outcome: Future[None] = Future()
-
-        def chain(f: "Future[str]") -> None:
-            if f.exception() is not None:
-                outcome.set_exception(f.exception())  # type: ignore[arg-type]
-                return
-            try:
-                w = self._watch.submit(self._service.wait_outcome, req.step)
-            except RuntimeError:  # closed while this commit was finishing
-                outcome.set_exception(CheckpointError(f"the writer closed before step {req.step}'s outcome"))
-                return
-            w.add_done_callback(lambda g: outcome.set_exception(g.exception()) if g.exception() else outcome.set_result(None))  # type: ignore[arg-type]
-
-        local.add_done_callback(chain)
+        self._commit.submit(self._run, req, slot.mm if slot.mm is not None else b"", local, outcome)
         return local, outcome
+
+    def _run(self, req: CommitRequest, buf: object, local: "Future[str]", outcome: "Future[None]") -> None:
+        """Commit thread: local commit, replication, then hand the outcome wait over."""
+        try:
+            path, own = self._service.commit(req, buf)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the futures
+            local.set_exception(exc)
+            outcome.set_exception(exc)
+            self._replicate(req.step, None)
+            return
+        local.set_result(path)
+        self._replicate(req.step, own)
+        try:
+            self._watch.submit(self._await, req.step, outcome)
+        except RuntimeError:  # closed while this commit was finishing
+            outcome.set_exception(CheckpointError(f"the writer closed before step {req.step}'s outcome"))
+
+    def _replicate(self, step: int, own: object) -> None:
+        try:
+            self._service.replicate(step, own)
+        except Exception:  # noqa: BLE001 - published as the step's failure; the outcome says so
+            pass
+
+    def _await(self, step: int, outcome: "Future[None]") -> None:
+        try:
+            self._service.wait_outcome(step)
+            self._service.on_outcome(step)
+        except BaseException as exc:  # noqa: BLE001
+            outcome.set_exception(exc)
+            return
+        outcome.set_result(None)
 
     def fail(self, step: int, reason: str) -> None:
         self._service.fail(step, reason)
+        try:
+            self._commit.submit(self._replicate, step, None)  # partners must not wait for us
+        except RuntimeError:
+            pass
 
     def close(self, timeout: float) -> None:
         self._commit.shutdown(wait=True)

@@ -58,6 +58,7 @@ def serve(conn: Connection) -> None:
             seq, step = item
             try:
                 service.wait_outcome(step)
+                service.on_outcome(step)
                 send(Message(Kind.OUTCOME, gen, seq, step))
             except Exception as exc:  # noqa: BLE001 - sent back, raised in the trainer
                 send(Message(Kind.OUTCOME, gen, seq, step, error=str(exc), error_type=type(exc).__name__))
@@ -70,21 +71,32 @@ def serve(conn: Connection) -> None:
         except (EOFError, OSError):
             os._exit(0)  # the trainer is gone
         if msg.kind is Kind.COMMIT:
+            own = None
             try:
-                path = service.commit(msg.payload)
+                path, own = service.commit(msg.payload)
             except Exception as exc:  # noqa: BLE001
                 send(Message(Kind.ERROR, gen, msg.seq, msg.step, error=str(exc), error_type=type(exc).__name__))
+                _replicate(service, msg.step, None)
                 continue
             send(Message(Kind.LOCAL_DONE, gen, msg.seq, msg.step, payload=path))
+            _replicate(service, msg.step, own)  # a failure here fails the step's outcome
             outcomes.put((msg.seq, msg.step))
         elif msg.kind is Kind.FAIL:
             service.fail(msg.step, msg.error or "failed")
+            _replicate(service, msg.step, None)
         elif msg.kind is Kind.SHUTDOWN:
             outcomes.put(None)
             watcher.join(msg.payload or None)
             service.close()
             send(Message(Kind.BYE, gen))
             return
+
+
+def _replicate(service: object, step: int, own: object) -> None:
+    try:
+        service.replicate(step, own)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - published as the step's failure; the outcome reports it
+        pass
 
 
 def main() -> None:

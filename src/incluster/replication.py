@@ -1,0 +1,183 @@
+"""Peer replication: writers send their committed shard to the nodes that back them up.
+
+A transport, not a tier: every exchange names the step and the peers, runs with a
+timeout, sends metadata first and then raw bytes, and is received in place. Writers form
+their own gloo group (a ``ProcessGroupGloo`` built on the job store, no default group
+involved), so replication never touches the trainer's process group or its GIL.
+
+Per step, in three rounds (tags derived from the step):
+1. headers: each rank tells each target ``[step, sidecar bytes, shard bytes]`` (or -1:
+   nothing to send, e.g. its own save failed);
+2. needs: each target answers 1 if it wants the bytes (0 if it already holds that step);
+3. data: the sidecar, then the shard straight from the mapped file into the target's
+   replica slot (a reused file under ``<local_dir>/<job>/rank-<owner>/`` on its node).
+
+The receiver validates the sidecar, checks that it names the owner and step it expects,
+verifies every checksum, and only then renames the slot and writes the sidecar; each
+committed replica is counted in the job store like a shard. It writes only at paths it
+derives itself (owner rank and step), never at a path a peer names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from incluster.commit import Coordinator, StoreAddress
+from incluster.errors import CorruptCheckpointError
+from incluster.format.checksum import verify
+from incluster.format.sidecar import Sidecar, write_sidecar
+from incluster.staging.slots import SlotRing, sidecar_file, step_file
+from incluster.tiers.local import rank_folder
+
+log = logging.getLogger("incluster")
+_MAX_SIDECAR = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class OwnShard:
+    """This rank's committed shard for a step: its sidecar JSON and the mapped bytes."""
+
+    sidecar: bytes
+    buf: Any  # writable mmap or bytes-like of exactly ``size`` bytes
+    size: int
+
+
+class Replicator:
+    def __init__(
+        self,
+        addr: StoreAddress,
+        rank: int,
+        world_size: int,
+        targets: tuple[int, ...],
+        sources: tuple[int, ...],
+        *,
+        local_dir: str,
+        job: str,
+        node: str,
+        keep: int,
+        timeout_s: float,
+    ) -> None:
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        self.rank, self.job, self.node, self.local_dir = rank, job, node, local_dir
+        self.targets = list(targets)
+        self.sources = list(sources)
+        self.keep = keep
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        client = TCPStore(addr.host, addr.port, is_master=False, timeout=self.timeout, wait_for_workers=False)
+        self.pg = ProcessGroupGloo(PrefixStore(f"incluster/{job}/writers", client), rank, world_size, self.timeout)
+        self._client = client
+        self.rings: dict[int, SlotRing] = {}
+
+    def _ring(self, owner: int) -> SlotRing:
+        ring = self.rings.get(owner)
+        if ring is None:
+            ring = self.rings[owner] = SlotRing(rank_folder(self.local_dir, self.job, owner), self.keep)
+        return ring
+
+    def _tag(self, step: int, round_: int) -> int:
+        return (step % (1 << 24)) * 4 + round_
+
+    def _wait_all(self, works: list[Any]) -> None:
+        for w in works:
+            w.wait(self.timeout)
+
+    def exchange(self, step: int, own: OwnShard | None, coord: Coordinator) -> list[int]:
+        """Run one step's replication with every partner; returns the owners received."""
+        headers = {src: torch.zeros(3, dtype=torch.int64) for src in self.sources}
+        mine = torch.tensor([step, len(own.sidecar), own.size] if own else [step, -1, -1], dtype=torch.int64)
+        works = [self.pg.recv([t], src, self._tag(step, 1)) for src, t in headers.items()]
+        works += [self.pg.send([mine], dst, self._tag(step, 1)) for dst in self.targets]
+        self._wait_all(works)
+        needs = {dst: torch.zeros(1, dtype=torch.int64) for dst in self.targets}
+        answers = {src: torch.tensor([int(self._wants(src, step, h))], dtype=torch.int64) for src, h in headers.items()}
+        works = [self.pg.recv([t], dst, self._tag(step, 2)) for dst, t in needs.items()]
+        works += [self.pg.send([t], src, self._tag(step, 2)) for src, t in answers.items()]
+        self._wait_all(works)
+        return self._data_round(step, own, headers, answers, needs, coord)
+
+    def _wants(self, owner: int, step: int, header: torch.Tensor) -> bool:
+        h_step, sc_len, size = (int(x) for x in header)
+        if h_step != step or sc_len < 0 or size < 0:
+            return False
+        if sc_len > _MAX_SIDECAR:
+            log.warning("incluster: rank %d sent a %d-byte sidecar for step %d; refused", owner, sc_len, step)
+            return False
+        ring = self._ring(owner)
+        return step not in ring.committed_steps() and all(s.step is None or s.step < step for s in ring.slots)
+
+    def _data_round(self, step: int, own: OwnShard | None, headers: dict[int, torch.Tensor],
+                    answers: dict[int, torch.Tensor], needs: dict[int, torch.Tensor], coord: Coordinator) -> list[int]:
+        works: list[Any] = []
+        incoming = []
+        for src, header in headers.items():
+            if not int(answers[src][0]):
+                continue
+            sc_len, size = int(header[1]), int(header[2])
+            ring = self._ring(src)
+            slot = ring.acquire(step, self.timeout.total_seconds())
+            buf = ring.prepare(slot, size)
+            sc_buf = torch.empty(sc_len, dtype=torch.uint8)
+            works.append(self.pg.recv([sc_buf], src, self._tag(step, 3)))
+            if size:
+                works.append(self.pg.recv([buf], src, self._tag(step, 3)))
+            incoming.append((src, ring, slot, sc_buf, size))
+        if own is not None:
+            sc_t = torch.frombuffer(bytearray(own.sidecar), dtype=torch.uint8)
+            data = torch.frombuffer(own.buf, dtype=torch.uint8, count=own.size) if own.size else None
+            for dst, need in needs.items():
+                if int(need[0]):
+                    works.append(self.pg.send([sc_t], dst, self._tag(step, 3)))
+                    if data is not None:
+                        works.append(self.pg.send([data], dst, self._tag(step, 3)))
+        try:
+            self._wait_all(works)
+        except BaseException:
+            for _, ring, slot, _, _ in incoming:
+                ring.release(slot)
+            raise
+        received = []
+        for src, ring, slot, sc_buf, size in incoming:
+            try:
+                self._commit_replica(src, step, ring, slot, bytes(sc_buf.numpy()), size)
+            except BaseException as exc:
+                ring.release(slot)
+                coord.failed(step, f"replica of rank {src} on rank {self.rank}: {exc}")
+                raise
+            coord.committed(step)
+            received.append(src)
+        return received
+
+    def _commit_replica(self, owner: int, step: int, ring: SlotRing, slot: Any, raw: bytes, size: int) -> None:
+        where = f"replica of rank {owner} step {step} (received by rank {self.rank})"
+        try:
+            sc = Sidecar.from_json(json.loads(raw), where)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{where}: sidecar is not valid JSON ({exc})") from None
+        if sc.rank != owner or sc.step != step or sc.job != self.job or sc.checksum.size != size:
+            raise CorruptCheckpointError(f"{where}: the sidecar describes rank {sc.rank} step {sc.step} of job {sc.job!r}")
+        verify(slot.mm if slot.mm is not None else b"", sc.checksum, where)
+        final = os.path.join(ring.folder, step_file(step))
+        os.replace(slot.path, final)
+        replica = dataclasses.replace(sc, shard=step_file(step), extra={**sc.extra, "replica_on": self.node})
+        write_sidecar(os.path.join(ring.folder, sidecar_file(step)), replica)
+        ring.mark_committed(slot, step, final)
+
+    def set_global(self, step: int) -> None:
+        """``step`` committed everywhere: replica slots holding older steps may be reused."""
+        for ring in self.rings.values():
+            ring.set_global(step)
+            ring.drop_unheld(step)
+
+    def close(self) -> None:
+        for ring in self.rings.values():
+            ring.close()
+        self.rings.clear()

@@ -1,0 +1,69 @@
+"""Who runs where, and where each rank's replicas go. Pure functions, no I/O.
+
+Nodes are ordered by their lowest rank (the process group's order). Rank r on node i
+with local rank l sends replica k (1..replicas) to local rank l on node (i + k) mod n
+(l wraps when that node has fewer ranks). Replicas never land on the owner's node; with
+one node there is nowhere to put them, so replication is off (the caller warns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``node_of[r]`` is the node name of rank r."""
+
+    node_of: tuple[str, ...]
+
+    @classmethod
+    def from_nodes(cls, node_of: Sequence[str]) -> "Topology":
+        if not node_of:
+            raise ValueError("a topology needs at least one rank")
+        return cls(tuple(node_of))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.node_of)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Node names in group order (by each node's lowest rank)."""
+        seen: dict[str, None] = {}
+        for n in self.node_of:
+            seen.setdefault(n, None)
+        return tuple(seen)
+
+    def ranks_on(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def local_rank(self, rank: int) -> int:
+        return self.ranks_on(self.node_of[rank]).index(rank)
+
+    def effective_replicas(self, replicas: int) -> int:
+        """Replicas that can be placed: at most one per other node."""
+        return max(0, min(replicas, len(self.nodes) - 1))
+
+
+def replica_targets(topo: Topology, rank: int, replicas: int) -> list[int]:
+    """The ranks that keep ``rank``'s replicas 1..replicas, in order."""
+    nodes = topo.nodes
+    i = nodes.index(topo.node_of[rank])
+    local = topo.local_rank(rank)
+    out = []
+    for k in range(1, topo.effective_replicas(replicas) + 1):
+        peers = topo.ranks_on(nodes[(i + k) % len(nodes)])
+        out.append(peers[local % len(peers)])
+    return out
+
+
+def replica_sources(topo: Topology, rank: int, replicas: int) -> list[tuple[int, int]]:
+    """(source rank, k) pairs whose replica k this rank keeps, sorted by source."""
+    out = []
+    for src in range(topo.world_size):
+        for k, dst in enumerate(replica_targets(topo, src, replicas), start=1):
+            if dst == rank:
+                out.append((src, k))
+    return out
