@@ -25,7 +25,8 @@ from incluster.commit import StoreAddress, host_store
 from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, WriterProcessDied
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
-from incluster.restore import restore
+from incluster.recovery.restore import Context as RestoreContext
+from incluster.recovery.restore import RestoreReport, restore
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
 from incluster.state import snapshot
@@ -87,6 +88,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._closed = False
         self._warmed = False
+        self.last_restore: RestoreReport | None = None
         self.events: ev.EventRecorder | ev.NullRecorder = (
             ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
         )
@@ -342,29 +344,33 @@ class Checkpointer:
 
     # -- loading ----------------------------------------------------------------------
     def load(self, state: Mapping[str, Any]) -> int | None:
-        """Restore the newest step every rank can load into ``state`` in place; returns
-        its step, or None when there is none. Collective: every rank must call it."""
+        """Restore the newest step that every rank can get a verified copy of - from its
+        own node, a peer's RAM, or (later) the persistent tier - into ``state`` in place.
+        Returns the step, or None when nothing was saved. Collective: every rank calls it.
+        The decision is kept in ``last_restore`` and logged in one line per rank."""
         self._check_usable()
         self.wait()
-        t0 = time.perf_counter()
-        step, nbytes = restore(
-            self.folder,
-            state,
+        ctx = RestoreContext(
+            local_dir=self.config.local_dir,
+            job=self.config.job,
             rank=self.rank,
             world_size=self.world_size,
-            job=self.config.job,
+            node=self.config.node,
+            ring=self.ring,
             allow_pickle=self.config.allow_pickle,
-            discard=self.ring.discard,
+            timeout_s=self.config.slot_timeout_s,
         )
-        self.ring.reset_to(step)
-        seconds = time.perf_counter() - t0
-        if step is not None:
-            log.info(
-                "incluster: rank %d restored step %d from %s (%d bytes, %.3f s)",
-                self.rank, step, self.folder, nbytes, seconds,
-            )
-        self.events.record(ev.LOAD, step=step, source="local" if step is not None else "none", bytes=nbytes, seconds=seconds)
-        return step
+        report = restore(ctx, state)
+        self.last_restore = report
+        log.info("%s", report.line())
+        self.events.record(
+            ev.LOAD, step=report.step, source=report.source, bytes=report.bytes, seconds=report.seconds
+        )
+        if report.step is not None:
+            self.ring.reset_to(report.step)
+            if self.replica_targets or self.world_size > 1:
+                self._writer.replicate(self.folder, report.step)  # heal the replicas, in background
+        return report.step
 
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:

@@ -83,7 +83,9 @@ def test_writer_killed_mid_commit(local_dir):
     kind, msg = first[1]["errors"]["4"]
     assert kind == "WriterProcessDied" and "SIGKILL" in msg and str(first[1]["writer_pid"]) in msg
     kind, msg = first[0]["errors"]["4"]
-    assert kind == "CommitError" and "rank 1" in msg
+    # rank 0 hears of it first-hand (rank 1's trainer publishes the death) or through its
+    # replica exchange with rank 1 breaking; either way the step fails, with no hang
+    assert kind == "CommitError" and ("rank 1" in msg or "replication" in msg), msg
     codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4)
     assert codes == [0, 0]
     _assert_restored(second, first, 2)

@@ -85,6 +85,12 @@ class ShardReader:
     def nbytes(self) -> int:
         return self.header.file_size
 
+    def raw(self) -> torch.Tensor:
+        """The whole file as one uint8 tensor (for sending it as is)."""
+        if self._buf is None:
+            raise CorruptCheckpointError(f"{self.path}: reader is closed")
+        return self._buf
+
     def tensor(self, name: str) -> torch.Tensor:
         t = self.header.tensors.get(name)
         if t is None or self._buf is None:

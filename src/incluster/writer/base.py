@@ -21,6 +21,10 @@ class Writer(Protocol):
         """Publish that this rank's save of ``step`` failed (so no rank waits for it)."""
         ...
 
+    def replicate(self, folder: str, step: int) -> None:
+        """Re-send a restored step's replicas in the background (every rank's writer)."""
+        ...
+
     def close(self, timeout: float) -> None:
         """Finish what was submitted, then stop."""
         ...

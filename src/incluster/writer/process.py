@@ -115,6 +115,13 @@ class ProcessWriter:
             except Exception:  # noqa: BLE001 - the store is gone too; peers time out instead
                 pass
 
+    def replicate(self, folder: str, step: int) -> None:
+        """Re-send ``step``'s replicas in the background (after a restore)."""
+        try:
+            self._send(Message(Kind.REPLICATE, self.gen, step=step, payload=folder))
+        except OSError:
+            pass  # a dead writer is reported by the next save
+
     def _receive(self) -> None:
         while True:
             try:

@@ -18,6 +18,7 @@ class Kind(enum.Enum):
     COMMIT = "commit"  # trainer -> writer: a CommitRequest
     FAIL = "fail"  # trainer -> writer: publish that a step failed on this rank
     SHUTDOWN = "shutdown"  # trainer -> writer: finish outstanding work, then exit
+    REPLICATE = "replicate"  # trainer -> writer: re-send a restored step's replicas (payload: folder)
     LOCAL_DONE = "local_done"  # writer -> trainer: shard committed on this node (payload: path)
     OUTCOME = "outcome"  # writer -> trainer: global outcome (error None = committed everywhere)
     ERROR = "error"  # writer -> trainer: the local commit failed (error: message)

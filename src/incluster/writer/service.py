@@ -23,6 +23,16 @@ def _coordinator(params: WriterParams) -> Coordinator:
     return StoreCoordinator(params.store, params.rank)
 
 
+class _NoCount:
+    """Re-replication after a restore is not a new commit: nothing to count."""
+
+    def committed(self, step: int) -> None:
+        pass
+
+    def failed(self, step: int, reason: str) -> None:
+        pass
+
+
 class CommitService:
     def __init__(self, params: WriterParams) -> None:
         self.params = params
@@ -79,6 +89,32 @@ class CommitService:
         except BaseException as exc:
             self.fail(step, f"replication: {type(exc).__name__}: {exc}")
             raise
+
+    def replicate_committed(self, folder: str, step: int) -> None:
+        """After a restore: send this rank's (healed) shard of ``step`` to its partners.
+        Every rank's writer takes part; partners that hold it already decline the bytes."""
+        if self.replicator is None:
+            return
+        import json
+
+        from incluster.format.sidecar import read_sidecar
+        from incluster.replication import OwnShard
+        from incluster.staging.slots import sidecar_file, step_file
+
+        sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
+        fd = os.open(os.path.join(folder, step_file(step)), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        try:
+            own = OwnShard(json.dumps(sc.to_json()).encode(), mm if mm is not None else b"", size)
+            self.replicator.exchange(step, own, _NoCount())
+            self.replicator.set_global(step)
+        finally:
+            if mm is not None:
+                mm.close()
 
     def on_outcome(self, step: int) -> None:
         if self.replicator is not None:

@@ -7,6 +7,7 @@ commits, another waits for global outcomes, so a slow peer never delays a local 
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from incluster.errors import CheckpointError
@@ -14,6 +15,8 @@ from incluster.staging.slots import Slot
 from incluster.writer.local_commit import CommitRequest
 from incluster.writer.protocol import WriterParams
 from incluster.writer.service import CommitService
+
+log = logging.getLogger("incluster")
 
 
 class ThreadWriter:
@@ -62,6 +65,17 @@ class ThreadWriter:
             outcome.set_exception(exc)
             return
         outcome.set_result(None)
+
+    def replicate(self, folder: str, step: int) -> None:
+        """Re-send ``step``'s replicas in the background (after a restore)."""
+
+        def run() -> None:
+            try:
+                self._service.replicate_committed(folder, step)
+            except Exception as exc:  # noqa: BLE001 - the next save replicates anyway
+                log.warning("incluster: re-replication of step %d failed: %s", step, exc)
+
+        self._commit.submit(run)
 
     def fail(self, step: int, reason: str) -> None:
         self._service.fail(step, reason)

@@ -84,6 +84,11 @@ def serve(conn: Connection) -> None:
         elif msg.kind is Kind.FAIL:
             service.fail(msg.step, msg.error or "failed")
             _replicate(service, msg.step, None)
+        elif msg.kind is Kind.REPLICATE:
+            try:
+                service.replicate_committed(msg.payload, msg.step)
+            except Exception as exc:  # noqa: BLE001 - the next save replicates anyway
+                print(f"incluster writer: re-replication of step {msg.step} failed: {exc}", file=sys.stderr)
         elif msg.kind is Kind.SHUTDOWN:
             outcomes.put(None)
             watcher.join(msg.payload or None)

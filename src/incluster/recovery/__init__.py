@@ -1,0 +1,1 @@
+"""Restore after any restart: inventory -> plan -> transfer -> heal (DESIGN §5 Recovery)."""

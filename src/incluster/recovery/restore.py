@@ -1,0 +1,250 @@
+"""The restore, the same decision on every rank: inventory -> plan -> verify -> transfer.
+
+1. inventory: one rank per node lists the (owner, step) shards its RAM folder holds
+   (file names only); with the node names this is gathered to rank 0: O(W) in all;
+2. plan (rank 0, pure, :mod:`incluster.recovery.plan`): the newest step with a copy of
+   every rank's shard, and who reads locally / receives from whom; each rank gets only
+   its own instructions (scatter);
+3. verify: each rank checks every copy it will read or send (checksums); bad copies are
+   reported, un-committed, and rank 0 plans again without them;
+4. transfer (:mod:`incluster.recovery.transfer`): P2P on the default group, verified on
+   arrival and written into the receiver's own slot (healing its node's tier);
+5. load in place; the caller re-sends replicas in the background.
+
+Never a torn state: a rank loads only after every rank has a verified copy of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from incluster.recovery.plan import RankPlan, make_plan
+from incluster.recovery.transfer import Outgoing, exchange
+from incluster.staging.slots import SlotRing, sidecar_file
+from incluster.state import load_into
+from incluster.testing import faults
+from incluster.tiers.local import ShardReader, committed_steps, rank_folder
+from incluster.topology import Topology
+
+log = logging.getLogger("incluster")
+MAX_ROUNDS = 4
+
+
+@dataclass
+class RestoreReport:
+    """One rank's restore decision: what, from where, how much, how long."""
+
+    rank: int
+    node: str
+    step: int | None
+    source: str = "none"  # "local", "peer" or "none"
+    source_rank: int | None = None
+    source_node: str | None = None
+    bytes: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        if self.step is None:
+            return f"incluster restore: rank {self.rank} on {self.node}: nothing to restore"
+        src = "its own node's RAM" if self.source == "local" else f"rank {self.source_rank} on node {self.source_node}"
+        extra = f"; {'; '.join(self.notes)}" if self.notes else ""
+        return (
+            f"incluster restore: rank {self.rank} on {self.node}: step {self.step} from {src}, "
+            f"{self.bytes} bytes in {self.seconds:.3f} s{extra}"
+        )
+
+
+def node_inventory(local_dir: str, job: str) -> list[tuple[int, int]]:
+    """(owner rank, step) for every committed shard in this node's folder (names only)."""
+    base = os.path.join(local_dir, job)
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        if n.startswith("rank-") and n[5:].isdigit():
+            out.extend((int(n[5:]), step) for step in committed_steps(os.path.join(base, n)))
+    return out
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+@dataclass
+class Context:
+    local_dir: str
+    job: str
+    rank: int
+    world_size: int
+    node: str
+    ring: SlotRing
+    allow_pickle: bool
+    timeout_s: float
+
+
+def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
+    t0 = time.perf_counter()
+    report = RestoreReport(ctx.rank, ctx.node, None)
+    dist = _dist()
+    inventory = node_inventory(ctx.local_dir, ctx.job)
+    gathered: list[Any] | None = None
+    if dist is not None:
+        gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object((ctx.node, inventory if _reports_for_node() else None), gathered, dst=0)
+    else:
+        gathered = [(ctx.node, inventory)]
+    exclude: set[tuple[str, int, int]] = set()
+    for round_ in range(1, MAX_ROUNDS + 1):
+        report.rounds = round_
+        mine = _plan_round(ctx, gathered, exclude)
+        if isinstance(mine, str):
+            raise NoCheckpointError(mine)
+        if mine.step is None:
+            report.seconds = time.perf_counter() - t0
+            return report
+        ctx.ring.reset_to(mine.step)
+        bad, outgoing = _verify_copies(ctx, mine, mine.step, report)
+        if _collect_bad(ctx, bad, exclude):
+            for o in outgoing:
+                o.reader.close()
+            continue
+        problem = None
+        try:
+            faults.check("load", ctx.rank, mine.step)
+            if dist is not None:
+                problem = exchange(
+                    ctx.rank, mine.step, mine.source, outgoing, ctx.ring,
+                    job=ctx.job, node=ctx.node, timeout_s=ctx.timeout_s,
+                )
+        finally:
+            for o in outgoing:
+                o.reader.close()
+        if problem is not None:
+            report.notes.append(f"copy from rank {mine.source} rejected: {problem}")
+        if _collect_bad(ctx, [(str(mine.source_node), ctx.rank, mine.step)] if problem else [], exclude):
+            continue
+        _load(ctx, mine, mine.step, state, report)
+        report.seconds = time.perf_counter() - t0
+        return report
+    raise CheckpointError(f"restore did not settle after {MAX_ROUNDS} rounds of re-planning; see the log for bad copies")
+
+
+def _reports_for_node() -> bool:
+    # One inventory per node is enough; torchrun's LOCAL_RANK says who reports.
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _plan_round(ctx: Context, gathered: list[Any] | None, exclude: set[tuple[str, int, int]]) -> RankPlan | str:
+    dist = _dist()
+    plans: list[Any] | None = None
+    if gathered is not None:
+        topo = Topology.from_nodes([g[0] for g in gathered])
+        holdings: dict[str, list[tuple[int, int]]] = {}
+        for node, inv in gathered:
+            if inv is not None:
+                holdings.setdefault(node, []).extend((int(o), int(s)) for o, s in inv)
+        plan = make_plan(topo, holdings, exclude)
+        if plan.step is None and plan.missing:
+            newest = max(plan.missing)
+            msg = (
+                f"no step has a copy of every rank's shard on the current nodes: step {newest} lacks "
+                f"rank(s) {plan.missing[newest]}; older steps lack others. Restore from the persistent "
+                f"tier, or delete {os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
+            )
+            plans = [msg] * ctx.world_size
+        else:
+            plans = list(plan.ranks)
+    if dist is None:
+        return plans[0] if plans else RankPlan(None)
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, plans, src=0)
+    return box[0]
+
+
+def _open(folder: str, step: int) -> ShardReader:
+    return ShardReader(folder, step)
+
+
+def _verify_copies(
+    ctx: Context, mine: RankPlan, step: int, report: RestoreReport
+) -> tuple[list[tuple[str, int, int]], list[Outgoing]]:
+    """Check every copy this rank will read or send; un-commit the bad ones."""
+    bad: list[tuple[str, int, int]] = []
+    outgoing: list[Outgoing] = []
+    needed = ([ctx.rank] if mine.source is None else []) + list(mine.sends)
+    for owner in needed:
+        folder = rank_folder(ctx.local_dir, ctx.job, owner)
+        try:
+            reader = _open(folder, step)
+            sc = reader.sidecar
+            if sc.rank != owner or sc.job != ctx.job:
+                reader.close()
+                raise CorruptCheckpointError(f"{folder}: step {step} claims rank {sc.rank} of job {sc.job!r}")
+        except CorruptCheckpointError as exc:
+            log.warning("incluster: rank %d: the copy of rank %d's step %d on node %s is bad (%s); "
+                        "it is set aside and another copy is used", ctx.rank, owner, step, ctx.node, exc)
+            report.notes.append(f"rank {owner}'s copy on {ctx.node} failed verification ({exc})")
+            _uncommit(folder, step)
+            bad.append((ctx.node, owner, step))
+            continue
+        if owner == ctx.rank:
+            reader.close()  # read again when loading
+        else:
+            with open(os.path.join(folder, sidecar_file(step)), "rb") as f:
+                outgoing.append(Outgoing(owner, f.read(), reader))
+    return bad, outgoing
+
+
+def _uncommit(folder: str, step: int) -> None:
+    try:
+        os.unlink(os.path.join(folder, sidecar_file(step)))
+    except FileNotFoundError:
+        pass
+
+
+def _collect_bad(ctx: Context, bad: list[tuple[str, int, int]], exclude: set[tuple[str, int, int]]) -> bool:
+    """Share every rank's bad copies with rank 0; True if anyone found one (re-plan)."""
+    dist = _dist()
+    if dist is None:
+        exclude.update(bad)
+        return bool(bad)
+    all_bad: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(bad, all_bad, dst=0)
+    flag = torch.tensor([0], dtype=torch.int64)
+    if all_bad is not None:
+        for b in all_bad:
+            exclude.update(tuple(x) for x in b)  # type: ignore[misc]
+        flag[0] = sum(len(b) for b in all_bad)
+    box = [int(flag[0])]
+    dist.broadcast_object_list(box, src=0)
+    return box[0] > 0
+
+
+def _load(ctx: Context, mine: RankPlan, step: int, state: Mapping[str, Any], report: RestoreReport) -> None:
+    folder = rank_folder(ctx.local_dir, ctx.job, ctx.rank)
+    with ShardReader(folder, step, verify_checksum=mine.source is None) as reader:
+        sc = reader.sidecar
+        if sc.world_size != ctx.world_size:
+            raise CheckpointError(
+                f"step {step} was saved by {sc.world_size} ranks but this job has {ctx.world_size}; "
+                f"resharding in place is not supported - assemble a full state with `incluster export`"
+            )
+        load_into(state, sc.tree, reader.tensor, allow_pickle=ctx.allow_pickle)
+        report.step, report.bytes = step, reader.nbytes
+    report.source = "local" if mine.source is None else "peer"
+    report.source_rank = mine.source
+    report.source_node = mine.source_node
+    ctx.ring.set_global(step)
