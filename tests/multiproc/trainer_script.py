@@ -10,8 +10,10 @@ Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``ATTEMPT``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 
@@ -36,6 +38,7 @@ def digest(model: torch.nn.Module, optim: torch.optim.Optimizer, extra: dict) ->
 
 def main() -> int:
     out, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
@@ -47,7 +50,15 @@ def main() -> int:
         job="mp", writer=os.environ.get("WRITER", "process"), slot_timeout_s=float(os.environ.get("TIMEOUT_S", "30"))
     )
     result: dict = {"rank": rank, "node": ckpt.config.node, "writer_pid": ckpt.writer_pid, "digests": {}, "errors": {}}
-    start = ckpt.load(state)
+    result_path = os.path.join(out, f"result-r{rank}-{os.environ.get('ATTEMPT', '0')}.json")
+    try:
+        start = ckpt.load(state)
+    except incluster.CheckpointError as exc:
+        result["load_error"] = [type(exc).__name__, str(exc)]
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+        return 3
+    result["restore"] = dataclasses.asdict(ckpt.last_restore) if ckpt.last_restore else None
     result["loaded"] = start
     result["loaded_digest"] = digest(model, optim, state["extra"])
     g = torch.Generator().manual_seed(rank)
@@ -62,13 +73,13 @@ def main() -> int:
                 ckpt.save(step, state).wait()
             except incluster.CheckpointError as exc:
                 result["errors"][step] = [type(exc).__name__, str(exc)]
-        with open(os.path.join(out, f"result-r{rank}-{os.environ.get('ATTEMPT', '0')}.json"), "w") as f:
+        with open(result_path, "w") as f:
             json.dump(result, f)
     try:
         ckpt.close()
     except incluster.CheckpointError as exc:
         result["errors"]["close"] = [type(exc).__name__, str(exc)]
-    with open(os.path.join(out, f"result-r{rank}-{os.environ.get('ATTEMPT', '0')}.json"), "w") as f:
+    with open(result_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
     return 0

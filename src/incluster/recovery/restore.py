@@ -197,7 +197,10 @@ def _verify_copies(
             log.warning("incluster: rank %d: the copy of rank %d's step %d on node %s is bad (%s); "
                         "it is set aside and another copy is used", ctx.rank, owner, step, ctx.node, exc)
             report.notes.append(f"rank {owner}'s copy on {ctx.node} failed verification ({exc})")
-            _uncommit(folder, step)
+            if owner == ctx.rank:
+                ctx.ring.discard(step)  # my own slot: the ring must forget it too
+            else:
+                _uncommit(folder, step)
             bad.append((ctx.node, owner, step))
             continue
         if owner == ctx.rank:

@@ -1,0 +1,79 @@
+"""Recovery with real processes (gloo): spares, swapped nodes, corrupt copies, lost nodes.
+
+Each scenario saves with 4 ranks, changes the cluster (folders wiped, nodes swapped),
+restarts every rank, and checks that each rank's restored state is bitwise the state it
+had when that step was saved.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from test_multirank import _assert_restored, _run
+
+pytestmark = pytest.mark.multiproc
+
+THREAD = {"WRITER": "thread"}
+NODES = ["A", "B", "C", "D"]
+
+
+def _first(local_dir, nodes=NODES, rpn=1):
+    codes, first, job = _run(local_dir, 0, nodes=nodes, rpn=rpn, env=THREAD)
+    assert codes == [0] * len(first), [job.output(r) for r in range(len(first))]
+    return first
+
+
+def test_spare_replaces_a_wiped_node_and_two_nodes_swap(local_dir):
+    first = _first(local_dir)
+    shutil.rmtree(os.path.join(local_dir, "B"))  # node B is gone with its RAM
+    after = ["C", "E", "A", "D"]  # spare E takes B's place; A and C swap positions
+    codes, second, job = _run(local_dir, 1, nodes=after, env=THREAD)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(second, first, 4)
+    sources = {r: (res["restore"]["source"], res["restore"]["source_node"]) for r, res in second.items()}
+    assert sources[3] == ("local", "D")
+    assert sources[1] == ("peer", "C")  # B's replica lived on C
+    assert all(sources[r][0] == "peer" for r in (0, 1, 2))
+    assert "from rank" in job.output(1) and "step 4" in job.output(1)
+    # healed: the spare now holds rank 1's shard of step 4 in its own RAM folder
+    assert os.path.exists(os.path.join(local_dir, "E", "mp", "rank-00001", "step-000000000004.json"))
+
+
+def test_spare_for_a_node_of_two_ranks(local_dir):
+    first = _first(local_dir, nodes=["A", "B"], rpn=2)
+    shutil.rmtree(os.path.join(local_dir, "B"))
+    codes, second, job = _run(local_dir, 1, nodes=["A", "S"], rpn=2, env=THREAD)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(second, first, 4)
+    assert [second[r]["restore"]["source"] for r in range(4)] == ["local", "local", "peer", "peer"]
+
+
+def test_corrupt_byte_uses_the_replica_and_says_so(local_dir):
+    first = _first(local_dir)
+    shard = os.path.join(local_dir, "C", "mp", "rank-00002", "step-000000000004.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    codes, second, job = _run(local_dir, 1, nodes=NODES, env=THREAD)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(second, first, 4)
+    r2 = second[2]["restore"]
+    assert r2["source"] == "peer" and r2["source_node"] == "D"
+    assert any("failed verification" in n and "checksum mismatch" in n for n in r2["notes"])
+    assert "checksum mismatch" in job.output(2)
+
+
+def test_lost_node_and_its_replica_partner_is_a_clear_error(local_dir):
+    _first(local_dir)
+    shutil.rmtree(os.path.join(local_dir, "A"))  # rank 0's own copy
+    shutil.rmtree(os.path.join(local_dir, "B"))  # and its only replica
+    codes, second, job = _run(local_dir, 1, nodes=["E", "F", "C", "D"], env=THREAD)
+    assert codes == [3] * 4, [job.output(r) for r in range(4)]
+    for res in second.values():
+        kind, msg = res["load_error"]
+        assert kind == "NoCheckpointError" and "rank(s) [0]" in msg and "step 4" in msg
