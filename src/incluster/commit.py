@@ -102,6 +102,7 @@ class StoreCoordinator:
 
         self.addr = addr
         self.rank = rank
+        self._latest_seen = ""
         self._p = f"incluster/{addr.job}/"
         self.store = TCPStore(
             addr.host,
@@ -123,10 +124,11 @@ class StoreCoordinator:
 
     def _raise_latest(self, step: int) -> None:
         key = self._k("latest")
-        expected = ""
+        expected = self._latest_seen  # usually right: one round trip
         for _ in range(64):  # a few racing completions at most; bounded regardless
             cur = self.store.compare_set(key, expected, str(step)).decode()
             if cur == str(step) or (cur and int(cur) >= step):
+                self._latest_seen = cur
                 return
             expected = cur
 
@@ -137,7 +139,9 @@ class StoreCoordinator:
     def wait_outcome(self, step: int, timeout: float) -> None:
         key = self._k("o", step)
         try:
-            self.store.wait([key], datetime.timedelta(seconds=timeout))
+            # get() itself waits for the key, up to the store's timeout: one round trip.
+            self.store.set_timeout(datetime.timedelta(seconds=timeout))
+            value = self.store.get(key).decode()
         except Exception as exc:  # DistStoreError on timeout, or the store went away
             if "timeout" not in str(exc).lower():
                 raise PeerTimeoutError(f"lost the job store while waiting for step {step}: {exc}") from None
@@ -146,7 +150,7 @@ class StoreCoordinator:
                 f"step {step} was not committed by every rank within {timeout:.0f} s "
                 f"({n} of {self.addr.quorum} copies committed); a rank or its writer is stuck or dead"
             ) from None
-        _raise_for(step, self.store.get(key).decode())
+        _raise_for(step, value)
 
     def latest(self) -> int | None:
         key = self._k("latest")

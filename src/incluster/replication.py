@@ -2,8 +2,8 @@
 
 A transport, not a tier: every exchange names the step and the peers, runs with a
 timeout, sends metadata first and then raw bytes, and is received in place. Writers form
-their own gloo group (a ``ProcessGroupGloo`` built on the job store, no default group
-involved), so replication never touches the trainer's process group or its GIL.
+their own gloo groups (one two-member ``ProcessGroupGloo`` per partner, built on the job
+store; no default group involved), so replication never touches the trainer's process group or its GIL.
 
 Per step, in three rounds (tags derived from the step):
 1. headers: each rank tells each target ``[step, sidecar bytes, shard bytes]`` (or -1:
@@ -73,9 +73,24 @@ class Replicator:
         self.keep = keep
         self.timeout = datetime.timedelta(seconds=timeout_s)
         client = TCPStore(addr.host, addr.port, is_master=False, timeout=self.timeout, wait_for_workers=False)
-        self.pg = ProcessGroupGloo(PrefixStore(f"incluster/{job}/writers", client), rank, world_size, self.timeout)
         self._client = client
+        # One two-member gloo group per partner, not one group of all W writers: O(replicas)
+        # connections per writer instead of O(W). Built in ascending (low, high) order on
+        # every writer, so the pairwise rendezvous can never wait in a cycle.
+        self._pairs: dict[int, tuple[Any, int]] = {}
+        for peer in sorted(set(self.targets) | set(self.sources)):
+            lo, hi = min(rank, peer), max(rank, peer)
+            store = PrefixStore(f"incluster/{job}/pair/{lo}-{hi}", client)
+            self._pairs[peer] = (ProcessGroupGloo(store, 0 if rank == lo else 1, 2, self.timeout), 1 if rank == lo else 0)
         self.rings: dict[int, SlotRing] = {}
+
+    def _send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        pg, other = self._pairs[peer]
+        return pg.send(tensors, other, tag)
+
+    def _recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        pg, other = self._pairs[peer]
+        return pg.recv(tensors, other, tag)
 
     def _ring(self, owner: int) -> SlotRing:
         ring = self.rings.get(owner)
@@ -94,13 +109,13 @@ class Replicator:
         """Run one step's replication with every partner; returns the owners received."""
         headers = {src: torch.zeros(3, dtype=torch.int64) for src in self.sources}
         mine = torch.tensor([step, len(own.sidecar), own.size] if own else [step, -1, -1], dtype=torch.int64)
-        works = [self.pg.recv([t], src, self._tag(step, 1)) for src, t in headers.items()]
-        works += [self.pg.send([mine], dst, self._tag(step, 1)) for dst in self.targets]
+        works = [self._recv([t], src, self._tag(step, 1)) for src, t in headers.items()]
+        works += [self._send([mine], dst, self._tag(step, 1)) for dst in self.targets]
         self._wait_all(works)
         needs = {dst: torch.zeros(1, dtype=torch.int64) for dst in self.targets}
         answers = {src: torch.tensor([int(self._wants(src, step, h))], dtype=torch.int64) for src, h in headers.items()}
-        works = [self.pg.recv([t], dst, self._tag(step, 2)) for dst, t in needs.items()]
-        works += [self.pg.send([t], src, self._tag(step, 2)) for src, t in answers.items()]
+        works = [self._recv([t], dst, self._tag(step, 2)) for dst, t in needs.items()]
+        works += [self._send([t], src, self._tag(step, 2)) for src, t in answers.items()]
         self._wait_all(works)
         return self._data_round(step, own, headers, answers, needs, coord)
 
@@ -126,18 +141,18 @@ class Replicator:
             slot = ring.acquire(step, self.timeout.total_seconds())
             buf = ring.prepare(slot, size)
             sc_buf = torch.empty(sc_len, dtype=torch.uint8)
-            works.append(self.pg.recv([sc_buf], src, self._tag(step, 3)))
+            works.append(self._recv([sc_buf], src, self._tag(step, 3)))
             if size:
-                works.append(self.pg.recv([buf], src, self._tag(step, 3)))
+                works.append(self._recv([buf], src, self._tag(step, 3)))
             incoming.append((src, ring, slot, sc_buf, size))
         if own is not None:
             sc_t = torch.frombuffer(bytearray(own.sidecar), dtype=torch.uint8)
             data = torch.frombuffer(own.buf, dtype=torch.uint8, count=own.size) if own.size else None
             for dst, need in needs.items():
                 if int(need[0]):
-                    works.append(self.pg.send([sc_t], dst, self._tag(step, 3)))
+                    works.append(self._send([sc_t], dst, self._tag(step, 3)))
                     if data is not None:
-                        works.append(self.pg.send([data], dst, self._tag(step, 3)))
+                        works.append(self._send([data], dst, self._tag(step, 3)))
         try:
             self._wait_all(works)
         except BaseException:
