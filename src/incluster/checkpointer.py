@@ -22,7 +22,8 @@ import torch
 
 from incluster import config as _config
 from incluster.commit import StoreAddress, host_store
-from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, WriterProcessDied
+from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, TierUnavailableError, WriterProcessDied
+from incluster.persist import PersistParams
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.recovery.restore import Context as RestoreContext
@@ -61,7 +62,10 @@ class Checkpointer:
         self.rank, self.world_size = _rank_world()
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
-        self.ring = SlotRing(self.folder, self.config.keep, on_unmap=self._on_unmap)
+        # With a persistent tier the ring has one more slot: a slow upload never holds up saves.
+        slots = self.config.keep + (1 if self.config.persistent else 0)
+        self.ring = SlotRing(self.folder, slots, on_unmap=self._on_unmap)
+        self._uploads: dict[int, tuple[Slot, SaveHandle]] = {}
         self._stager = Stager(self.ring, self.config.allow_pickle)
         self._store_server, address, targets, sources = self._start_store()
         self._store_address = address
@@ -77,9 +81,14 @@ class Checkpointer:
             job=self.config.job,
             node=self.config.node,
             keep=self.config.keep,
+            persist=self._persist_params(),
         )
         self.replica_targets = targets
-        self._writer: Writer = ProcessWriter(params) if self.config.writer == "process" else ThreadWriter(params)
+        self._writer: Writer = (
+            ProcessWriter(params, on_persisted=self._persisted)
+            if self.config.writer == "process"
+            else ThreadWriter(params, on_persisted=self._persisted)
+        )
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
         self._inflight: StageJob | None = None
         self._pending: list[SaveHandle] = []
@@ -126,6 +135,26 @@ class Checkpointer:
         dist.scatter_object_list(box, plans, src=0)
         address, my_targets, my_sources = box[0]
         return server, address, my_targets, my_sources
+
+    def _persistent_tier(self) -> Any:
+        if not self.config.persistent:
+            return None
+        from incluster.tiers.persistent import FsspecTier
+
+        return FsspecTier(self.config.persistent, self.config.persistent_options)
+
+    def _persist_params(self) -> PersistParams | None:
+        c = self.config
+        if not c.persistent:
+            return None
+        from incluster.tiers.persistent import FsspecTier
+
+        FsspecTier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
+        return PersistParams(
+            url=c.persistent, options=dict(c.persistent_options or {}), job=c.job, rank=self.rank,
+            world_size=self.world_size, every=c.persistent_every, interval_s=c.persistent_interval_s,
+            keep=c.persistent_keep, timeout_s=c.slot_timeout_s,
+        )
 
     def _release_store(self) -> None:
         """Every rank checks out of the job store; rank 0 keeps it up until all have
@@ -226,9 +255,16 @@ class Checkpointer:
 
         local.add_done_callback(on_local)
 
-    def _local_done(self, job: StageJob, handle: SaveHandle, fut: "Future[str]") -> None:
+    def _local_done(self, job: StageJob, handle: SaveHandle, fut: "Future[tuple[str, bool]]") -> None:
         if fut.exception() is None:
-            self.ring.mark_committed(job.slot, job.step, fut.result())
+            path, persist = fut.result()
+            if persist:
+                with self._lock:
+                    self._uploads[job.step] = (job.slot, handle)
+                self.ring.set_uploading(job.slot, True)
+            else:
+                handle.persisted.set_result(False)
+            self.ring.mark_committed(job.slot, job.step, path)
             self.events.record(ev.DURABLE, step=job.step, tier="local", seconds=time.perf_counter() - handle.started)
 
     def _outcome(self, job: StageJob, handle: SaveHandle, fut: "Future[None]") -> None:
@@ -249,6 +285,24 @@ class Checkpointer:
                 self._stage_pool.submit(self._warm, job.layout.total_size)
             except RuntimeError:
                 pass  # closing
+
+    def _persisted(self, step: int, err: str | None) -> None:
+        """The writer finished (or skipped) a persistent upload: unpin its slot, report."""
+        with self._lock:
+            slot, handle = self._uploads.pop(step, (None, None))
+        if slot is not None:
+            self.ring.set_uploading(slot, False)
+        if handle is None:
+            return
+        if err is None:
+            self.events.record(ev.DURABLE, step=step, tier="persistent", seconds=time.perf_counter() - handle.started)
+            handle.persisted.set_result(True)
+        elif err.startswith("skipped"):
+            handle.persisted.set_result(False)
+        else:
+            handle.persisted.set_exception(
+                TierUnavailableError(f"step {step} did not reach the persistent tier {self.config.persistent}: {err}")
+            )
 
     def _fail(
         self, job: StageJob, handle: SaveHandle, exc: BaseException, phase: str, published: bool = False
@@ -274,6 +328,8 @@ class Checkpointer:
         for fut in (job.staged, handle.durable):
             if not fut.done():
                 fut.set_exception(err)
+        if not handle.persisted.done() and job.step not in self._uploads:
+            handle.persisted.set_result(False)
         job.host_done.set()
 
     def _warm(self, size: int) -> None:
@@ -359,6 +415,7 @@ class Checkpointer:
             ring=self.ring,
             allow_pickle=self.config.allow_pickle,
             timeout_s=self.config.slot_timeout_s,
+            persistent=self._persistent_tier(),
         )
         report = restore(ctx, state)
         self.last_restore = report

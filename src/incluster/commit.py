@@ -57,6 +57,16 @@ class Coordinator(Protocol):
     def latest(self) -> int | None:
         """The newest globally committed step known to the store."""
 
+    def persisted(self, step: int, info: str) -> bool:
+        """Record this rank's upload of ``step`` (``info``: its size and checksum, JSON);
+        True for the rank that completes the count: it writes the manifest."""
+
+    def persist_infos(self, step: int) -> list[str]:
+        """Every rank's upload record of ``step`` (manifest writer only)."""
+
+    def persist_outcome(self, step: int, value: str | None, timeout: float) -> str:
+        """Set (value given) or wait for (value None) ``step``'s persistent outcome."""
+
     def close(self) -> None: ...
 
 
@@ -66,6 +76,8 @@ class SoloCoordinator:
     def __init__(self) -> None:
         self._outcomes: dict[int, str] = {}
         self._latest: int | None = None
+        self._infos: dict[int, str] = {}
+        self._persist: dict[int, str] = {}
 
     def committed(self, step: int) -> None:
         self._outcomes[step] = Outcome.COMMITTED.value
@@ -79,6 +91,18 @@ class SoloCoordinator:
 
     def latest(self) -> int | None:
         return self._latest
+
+    def persisted(self, step: int, info: str) -> bool:
+        self._infos = {step: info}
+        return True
+
+    def persist_infos(self, step: int) -> list[str]:
+        return [self._infos[step]]
+
+    def persist_outcome(self, step: int, value: str | None, timeout: float) -> str:
+        if value is not None:
+            self._persist[step] = value
+        return self._persist.get(step, "fail:0:no outcome")
 
     def close(self) -> None:
         pass
@@ -151,6 +175,24 @@ class StoreCoordinator:
                 f"({n} of {self.addr.quorum} copies committed); a rank or its writer is stuck or dead"
             ) from None
         _raise_for(step, value)
+
+    def persisted(self, step: int, info: str) -> bool:
+        self.store.set(self._k("pr", step) + f"/{self.rank}", info)
+        return int(self.store.add(self._k("p", step), 1)) == self.addr.world_size
+
+    def persist_infos(self, step: int) -> list[str]:
+        keys = [self._k("pr", step) + f"/{r}" for r in range(self.addr.world_size)]
+        return [v.decode() for v in self.store.multi_get(keys)]
+
+    def persist_outcome(self, step: int, value: str | None, timeout: float) -> str:
+        key = self._k("po", step)
+        if value is not None:
+            return self.store.compare_set(key, "", value).decode()
+        self.store.set_timeout(datetime.timedelta(seconds=timeout))
+        try:
+            return self.store.get(key).decode()
+        except Exception as exc:  # noqa: BLE001 - a timeout or a lost store: not persisted
+            return f"fail:?:no outcome within {timeout:.0f} s ({str(exc)[:80]})"
 
     def latest(self) -> int | None:
         key = self._k("latest")

@@ -33,6 +33,16 @@ class Config:
     """msync/fsync shards and sidecars (for a local_dir on a real disk; tmpfs needs none)."""
     run_dir: str | None = None
     """Folder for goodput event logs (``INCLUSTER_RUN_DIR``); None records nothing."""
+    persistent: str | None = None
+    """Tier 2: a path or fsspec URL (s3://bucket/run, gs://..., /mnt/ckpt); None = off."""
+    persistent_every: int = 10
+    """Every Nth local checkpoint also goes to the persistent tier."""
+    persistent_interval_s: float | None = None
+    """Instead of every Nth: a persistent checkpoint at most this often (rank 0's clock)."""
+    persistent_keep: int = 2
+    """Manifested steps kept in the persistent tier; older ones are deleted."""
+    persistent_options: dict | None = None  # type: ignore[type-arg]
+    """fsspec storage options, e.g. {"client_kwargs": {"endpoint_url": ...}} for S3."""
     writer: str = "process"
     """Where commits run: "process" (a writer process per rank, no GIL contention with
     the trainer) or "thread" (a background thread; no extra process)."""
@@ -48,6 +58,12 @@ class Config:
             )
         if not self.slot_timeout_s > 0:
             raise ValueError(f"slot_timeout_s must be > 0 (got {self.slot_timeout_s!r})")
+        if not isinstance(self.persistent_every, int) or self.persistent_every < 1:
+            raise ValueError(f"persistent_every must be an integer >= 1 (got {self.persistent_every!r})")
+        if self.persistent_interval_s is not None and not self.persistent_interval_s > 0:
+            raise ValueError(f"persistent_interval_s must be > 0 or None (got {self.persistent_interval_s!r})")
+        if not isinstance(self.persistent_keep, int) or self.persistent_keep < 1:
+            raise ValueError(f"persistent_keep must be an integer >= 1 (got {self.persistent_keep!r})")
         if self.writer not in ("process", "thread"):
             raise ValueError(f'writer must be "process" or "thread" (got {self.writer!r})')
         if not self.node or "/" in self.node:
@@ -66,6 +82,11 @@ def resolve(
     fsync: bool = False,
     run_dir: str | os.PathLike[str] | None = None,
     writer: str = "process",
+    persistent: str | os.PathLike[str] | None = None,
+    persistent_every: int = 10,
+    persistent_interval_s: float | None = None,
+    persistent_keep: int = 2,
+    persistent_options: dict | None = None,  # type: ignore[type-arg]
 ) -> Config:
     """Fill unset options from the environment, then validate."""
     env = os.environ
@@ -81,4 +102,17 @@ def resolve(
         fsync=fsync,
         run_dir=os.fspath(rd) if rd else None,
         writer=writer,
+        persistent=_persistent_url(persistent if persistent is not None else env.get("INCLUSTER_PERSISTENT")),
+        persistent_every=persistent_every,
+        persistent_interval_s=persistent_interval_s,
+        persistent_keep=persistent_keep,
+        persistent_options=persistent_options,
     )
+
+
+def _persistent_url(value: str | os.PathLike[str] | None) -> str | None:
+    """A plain path becomes absolute (every rank and the writer agree on it); URLs stay."""
+    if not value:
+        return None
+    text = os.fspath(value)
+    return text if "://" in text else os.path.abspath(text)

@@ -12,13 +12,17 @@ class SaveHandle:
     """A save in flight.
 
     ``staged``: the bytes are copied out; the state may be mutated again.
-    ``durable``: committed in every tier this save goes to (here: the node's RAM disk).
+    ``durable``: committed in the cluster: every rank's shard and its replicas.
+    ``persisted``: True once this step is in the persistent tier's manifest; False when
+    it is not a persistent step (or its upload was skipped); TierUnavailableError when the
+    upload failed (training goes on; the next persistent step tries again).
     Timings are seconds from the ``save()`` call; ``None`` until reached.
     """
 
     step: int
     staged: "Future[None]" = field(default_factory=Future)
     durable: "Future[None]" = field(default_factory=Future)
+    persisted: "Future[bool]" = field(default_factory=Future)
     started: float = field(default_factory=time.perf_counter)
     blocked_s: float | None = None
     staged_s: float | None = None

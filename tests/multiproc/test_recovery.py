@@ -77,3 +77,16 @@ def test_lost_node_and_its_replica_partner_is_a_clear_error(local_dir):
     for res in second.values():
         kind, msg = res["load_error"]
         assert kind == "NoCheckpointError" and "rank(s) [0]" in msg and "step 4" in msg
+
+
+def test_every_nodes_ram_wiped_restores_from_the_persistent_tier(local_dir, tmp_path):
+    env = {**THREAD, "INCLUSTER_PERSISTENT": str(tmp_path / "persist")}
+    codes, first, job = _run(local_dir, 0, nodes=["A", "B"], env=env)  # saves 2 (persistent) and 4
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    assert os.path.exists(tmp_path / "persist" / "mp" / "step-000000000002" / "COMMITTED.json")
+    for node in ("A", "B"):
+        shutil.rmtree(os.path.join(local_dir, node))  # a cluster-wide outage
+    codes, second, job = _run(local_dir, 1, nodes=["A", "B"], env=env)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 2)
+    assert all(res["restore"]["source"] == "persistent" for res in second.values())

@@ -26,6 +26,7 @@ class RankPlan:
     source: int | None = None  # rank to receive my shard from; None: read my node's copy
     sends: tuple[int, ...] = ()  # ranks I send their shard to (from my node's copies)
     source_node: str | None = None  # the node my shard comes from
+    persistent: dict | None = None  # type: ignore[type-arg]  # restore from tier 2: my manifest record
 
 
 @dataclass

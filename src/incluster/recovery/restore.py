@@ -93,6 +93,7 @@ class Context:
     ring: SlotRing
     allow_pickle: bool
     timeout_s: float
+    persistent: Any = None  # a FsspecTier, or None
 
 
 def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
@@ -116,6 +117,17 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
             report.seconds = time.perf_counter() - t0
             return report
         ctx.ring.reset_to(mine.step)
+        if mine.persistent is not None:
+            problem = _download(ctx, mine.step, mine.persistent)
+            if problem is not None:
+                log.warning("incluster: %s; the persistent step is set aside", problem)
+                report.notes.append(problem)
+            if _collect_bad(ctx, [("<persistent>", -1, mine.step)] if problem else [], exclude):
+                continue
+            _load(ctx, mine, mine.step, state, report)
+            report.source = "persistent"
+            report.seconds = time.perf_counter() - t0
+            return report
         bad, outgoing = _verify_copies(ctx, mine, mine.step, report)
         if _collect_bad(ctx, bad, exclude):
             for o in outgoing:
@@ -157,12 +169,17 @@ def _plan_round(ctx: Context, gathered: list[Any] | None, exclude: set[tuple[str
             if inv is not None:
                 holdings.setdefault(node, []).extend((int(o), int(s)) for o, s in inv)
         plan = make_plan(topo, holdings, exclude)
-        if plan.step is None and plan.missing:
+        persisted = _persistent_plan(ctx, plan.step, exclude)
+        if persisted is not None:
+            plans = persisted
+        elif plan.step is None and plan.missing:
             newest = max(plan.missing)
             msg = (
                 f"no step has a copy of every rank's shard on the current nodes: step {newest} lacks "
-                f"rank(s) {plan.missing[newest]}; older steps lack others. Restore from the persistent "
-                f"tier, or delete {os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
+                f"rank(s) {plan.missing[newest]}; older steps lack others"
+                + ("" if ctx.persistent is None else ", and the persistent tier has no complete step")
+                + f". Configure a persistent tier (persistent=...) to survive this, or delete "
+                f"{os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
             )
             plans = [msg] * ctx.world_size
         else:
@@ -172,6 +189,72 @@ def _plan_round(ctx: Context, gathered: list[Any] | None, exclude: set[tuple[str
     box: list[Any] = [None]
     dist.scatter_object_list(box, plans, src=0)
     return box[0]
+
+
+def _persistent_plan(ctx: Context, in_cluster: int | None, exclude: set[tuple[str, int, int]]) -> list[RankPlan] | None:
+    """Rank 0: plans to restore from tier 2 when its newest manifested step is newer than
+    the newest complete in-cluster step (a tie prefers the cluster's RAM)."""
+    if ctx.persistent is None:
+        return None
+    import json
+
+    from incluster.persist import MANIFEST, manifested_steps, step_dir
+
+    for step in manifested_steps(ctx.persistent, ctx.job):
+        if in_cluster is not None and step <= in_cluster:
+            return None
+        if ("<persistent>", -1, step) in exclude:
+            continue
+        try:
+            manifest = json.loads(ctx.persistent.read(f"{step_dir(ctx.job, step)}/{MANIFEST}"))
+            records = {int(r["rank"]): r for r in manifest["ranks"]}
+            if int(manifest["world_size"]) != ctx.world_size or sorted(records) != list(range(ctx.world_size)):
+                log.warning("incluster: persistent step %d was saved by %s ranks; this job has %d",
+                            step, manifest.get("world_size"), ctx.world_size)
+                continue
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)
+            continue
+        return [RankPlan(step, None, (), "persistent", records[r]) for r in range(ctx.world_size)]
+    return None
+
+
+def _download(ctx: Context, step: int, record: dict) -> str | None:  # type: ignore[type-arg]
+    """Fetch my shard of ``step`` from tier 2 into one of my slots, verify, commit (heal)."""
+    import dataclasses
+    import json
+
+    from incluster.format.checksum import Checksum, verify
+    from incluster.format.sidecar import Sidecar, write_sidecar
+    from incluster.persist import step_dir
+    from incluster.staging.slots import step_file
+
+    base = f"{step_dir(ctx.job, step)}/rank-{ctx.rank:05d}"
+    where = f"rank {ctx.rank}'s shard of persistent step {step}"
+    try:
+        raw = ctx.persistent.read(base + ".json")
+        sc = Sidecar.from_json(json.loads(raw), where)
+        expect = Checksum.from_json(record["checksum"], where)
+        if sc.rank != ctx.rank or sc.step != step or sc.checksum != expect or expect.size != int(record["size"]):
+            return f"{where}: sidecar and manifest disagree"
+        slot = ctx.ring.acquire(step, ctx.timeout_s)
+        try:
+            ctx.ring.prepare(slot, expect.size)
+            got = ctx.persistent.read(base + ".safetensors", into=memoryview(slot.mm) if slot.mm is not None else memoryview(bytearray()))
+            if got != expect.size:
+                return f"{where}: {got} bytes downloaded, the manifest says {expect.size}"
+            verify(slot.mm if slot.mm is not None else b"", expect, where)
+            final = os.path.join(ctx.ring.folder, step_file(step))
+            os.replace(slot.path, final)
+            healed = dataclasses.replace(sc, shard=step_file(step), node=ctx.node, extra={**sc.extra, "restored_from": "persistent"})
+            write_sidecar(os.path.join(ctx.ring.folder, sidecar_file(step)), healed)
+            ctx.ring.mark_committed(slot, step, final)
+        except BaseException:
+            ctx.ring.release(slot)
+            raise
+    except (OSError, ValueError, CorruptCheckpointError) as exc:
+        return f"{where}: {exc}"
+    return None
 
 
 def _open(folder: str, step: int) -> ShardReader:

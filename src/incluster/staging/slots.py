@@ -64,6 +64,7 @@ class Slot:
     views: list[torch.Tensor] = field(default_factory=list)
     maps: int = 0  # how many times this slot was (re)mapped: stays 1 while sizes match
     pinned: bool = False  # mapping registered with CUDA as page-locked memory
+    uploading: bool = False  # the persistent tier is reading it: never reused meanwhile
 
     def unmap(self) -> None:
         self.views = []
@@ -184,9 +185,14 @@ class SlotRing:
             self.newest_global = step
             self._cond.notify_all()
 
+    def set_uploading(self, slot: Slot, on: bool) -> None:
+        with self._cond:
+            slot.uploading = on
+            self._cond.notify_all()
+
     def _pick(self) -> Slot | None:
         for s in self.slots:
-            if s.state is SlotState.FREE:
+            if s.state is SlotState.FREE and not s.uploading:
                 return s
         if len(self.slots) < self.keep:
             idx = len(self.slots)
@@ -196,7 +202,10 @@ class SlotRing:
         old = [
             s
             for s in self.slots
-            if s.state is SlotState.COMMITTED and s.step is not None and s.step < (self.newest_global or -1)
+            if s.state is SlotState.COMMITTED
+            and s.step is not None
+            and s.step < (self.newest_global or -1)
+            and not s.uploading
         ]
         return min(old, key=lambda s: s.step or 0) if old else None
 

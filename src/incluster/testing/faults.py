@@ -7,7 +7,8 @@ processes the library starts itself (the writer process) and processes a test la
 
 Phases: ``stage`` (trainer, staging thread, before copying), ``commit`` (writer, before
 the checksum), ``sidecar`` (writer, after the rename, before the commit record),
-``replicate`` (writer, before exchanging replicas), ``load`` (before a restore copies
+``replicate`` (writer, before exchanging replicas), ``upload`` (writer, after the
+shard's upload, before its sidecar and the manifest), ``load`` (before a restore copies
 bytes). Actions: ``raise`` (an
 :class:`InjectedFault`), ``kill`` (SIGKILL of the process at that instant), ``hang``
 (touch ``<marker_dir>/fault-<phase>-r<rank>-s<step>`` then sleep, for an outside kill).
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENV = "INCLUSTER_FAULTS"
-PHASES = ("stage", "commit", "sidecar", "replicate", "load")
+PHASES = ("stage", "commit", "sidecar", "replicate", "upload", "load")
 ACTIONS = ("raise", "kill", "hang")
 
 

@@ -21,6 +21,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
+from typing import Any
 
 from incluster.errors import CommitError, PeerTimeoutError, WriterProcessDied
 from incluster.staging.slots import Slot
@@ -42,8 +43,9 @@ def _describe(code: int | None) -> str:
 
 
 class ProcessWriter:
-    def __init__(self, params: WriterParams, handshake_timeout_s: float = 120.0) -> None:
+    def __init__(self, params: WriterParams, on_persisted: Any = None, handshake_timeout_s: float = 120.0) -> None:
         self.params = params
+        self._on_persisted = on_persisted
         self.gen = params.gen
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
@@ -134,6 +136,10 @@ class ProcessWriter:
                 continue  # a stale reply: never applied to this writer's saves
             if msg.kind is Kind.BYE:
                 self._bye.set()
+                continue
+            if msg.kind is Kind.PERSISTED:
+                if self._on_persisted is not None:
+                    self._on_persisted(msg.step, msg.error)
                 continue
             with self._lock:
                 futs = self._pending.get(msg.seq)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from incluster.commit import StoreAddress
+from incluster.persist import PersistParams
 
 
 class Kind(enum.Enum):
@@ -23,6 +24,7 @@ class Kind(enum.Enum):
     OUTCOME = "outcome"  # writer -> trainer: global outcome (error None = committed everywhere)
     ERROR = "error"  # writer -> trainer: the local commit failed (error: message)
     BYE = "bye"  # writer -> trainer: shut down cleanly
+    PERSISTED = "persisted"  # writer -> trainer: the step's upload ended (error None = in the manifest)
 
 
 @dataclass(frozen=True)
@@ -51,3 +53,4 @@ class WriterParams:
     job: str = ""
     node: str = ""
     keep: int = 2
+    persist: PersistParams | None = None

@@ -39,6 +39,11 @@ class CommitService:
         self.coord = _coordinator(params)
         self.watch = self.coord if params.store is None else _coordinator(params)
         self._maps: dict[str, tuple[int, int, int, mmap.mmap]] = {}  # slot key -> (ino, size, fd, map)
+        self.uploader = None
+        if params.persist is not None:
+            from incluster.persist import Uploader
+
+            self.uploader = Uploader(params.persist, _coordinator(params))
         self.replicator = None
         if (params.targets or params.sources) and params.store is not None:
             from incluster.replication import Replicator
@@ -56,10 +61,11 @@ class CommitService:
                 timeout_s=params.outcome_timeout_s,
             )
 
-    def commit(self, req: CommitRequest, buf: Any = None) -> tuple[str, Any]:
+    def commit(self, req: CommitRequest, buf: Any = None) -> tuple[str, Any, bool]:
         """Commit locally, then count the commit in the job store.
 
-        Returns the shard path and what :meth:`replicate` needs to send it."""
+        Returns the shard path, what :meth:`replicate` and :meth:`upload` need, and whether
+        this step goes to the persistent tier (its slot stays pinned until the upload ends)."""
         try:
             faults.check("commit", req.rank, req.step)
             if buf is None:
@@ -69,14 +75,19 @@ class CommitService:
             self.fail(req.step, f"{type(exc).__name__}: {exc}")
             raise
         self.coord.committed(req.step)
-        own = None
-        if self.replicator is not None:
-            import json
+        import json
 
-            from incluster.replication import OwnShard
+        from incluster.replication import OwnShard
 
-            own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size)
-        return path, own
+        own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size)
+        persist = self.uploader is not None and self.uploader.due(req.step)
+        return path, own, persist
+
+    def upload(self, step: int, own: Any, done: Any) -> bool:
+        """Start the persistent upload of a committed shard; False if skipped."""
+        if self.uploader is None:
+            return False
+        return self.uploader.start(step, own.sidecar, own.buf, own.size, done)
 
     def replicate(self, step: int, own: Any) -> None:
         """Exchange ``step``'s replicas with this rank's partners (``own`` None: nothing to
@@ -144,7 +155,9 @@ class CommitService:
         self._maps[key] = (st.st_ino, req.size, fd, mm)
         return mm
 
-    def close(self) -> None:
+    def close(self, timeout: float = 600.0) -> None:
+        if self.uploader is not None:
+            self.uploader.wait_idle(timeout)
         for _, _, fd, mm in self._maps.values():
             mm.close()
             os.close(fd)

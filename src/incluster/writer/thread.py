@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from incluster.errors import CheckpointError
 from incluster.staging.slots import Slot
@@ -22,7 +23,8 @@ log = logging.getLogger("incluster")
 class ThreadWriter:
     pid = None
 
-    def __init__(self, params: WriterParams) -> None:
+    def __init__(self, params: WriterParams, on_persisted: Any = None) -> None:
+        self._on_persisted = on_persisted
         self._service = CommitService(params)
         self._commit = ThreadPoolExecutor(1, thread_name_prefix="incluster-writer")
         self._watch = ThreadPoolExecutor(1, thread_name_prefix="incluster-outcome")
@@ -38,18 +40,24 @@ class ThreadWriter:
     def _run(self, req: CommitRequest, buf: object, local: "Future[str]", outcome: "Future[None]") -> None:
         """Commit thread: local commit, replication, then hand the outcome wait over."""
         try:
-            path, own = self._service.commit(req, buf)
+            path, own, persist = self._service.commit(req, buf)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
             local.set_exception(exc)
             outcome.set_exception(exc)
             self._replicate(req.step, None)
             return
-        local.set_result(path)
+        local.set_result((path, persist))
+        if persist and not self._service.upload(req.step, own, lambda err: self._persisted(req.step, err)):
+            self._persisted(req.step, "skipped: the previous upload was still running")
         self._replicate(req.step, own)
         try:
             self._watch.submit(self._await, req.step, outcome)
         except RuntimeError:  # closed while this commit was finishing
             outcome.set_exception(CheckpointError(f"the writer closed before step {req.step}'s outcome"))
+
+    def _persisted(self, step: int, err: str | None) -> None:
+        if self._on_persisted is not None:
+            self._on_persisted(step, err)
 
     def _replicate(self, step: int, own: object) -> None:
         try:
@@ -87,4 +95,4 @@ class ThreadWriter:
     def close(self, timeout: float) -> None:
         self._commit.shutdown(wait=True)
         self._watch.shutdown(wait=True)
-        self._service.close()
+        self._service.close(timeout)

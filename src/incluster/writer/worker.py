@@ -73,12 +73,20 @@ def serve(conn: Connection) -> None:
         if msg.kind is Kind.COMMIT:
             own = None
             try:
-                path, own = service.commit(msg.payload)
+                path, own, persist = service.commit(msg.payload)
             except Exception as exc:  # noqa: BLE001
                 send(Message(Kind.ERROR, gen, msg.seq, msg.step, error=str(exc), error_type=type(exc).__name__))
                 _replicate(service, msg.step, None)
                 continue
-            send(Message(Kind.LOCAL_DONE, gen, msg.seq, msg.step, payload=path))
+            send(Message(Kind.LOCAL_DONE, gen, msg.seq, msg.step, payload=(path, persist)))
+            if persist:
+                seq, step = msg.seq, msg.step
+
+                def uploaded(err: str | None, seq: int = seq, step: int = step) -> None:
+                    send(Message(Kind.PERSISTED, gen, seq, step, error=err))
+
+                if not service.upload(step, own, uploaded):
+                    uploaded("skipped: the previous upload was still running")
             _replicate(service, msg.step, own)  # a failure here fails the step's outcome
             outcomes.put((msg.seq, msg.step))
         elif msg.kind is Kind.FAIL:
@@ -92,7 +100,7 @@ def serve(conn: Connection) -> None:
         elif msg.kind is Kind.SHUTDOWN:
             outcomes.put(None)
             watcher.join(msg.payload or None)
-            service.close()
+            service.close(msg.payload or 600.0)
             send(Message(Kind.BYE, gen))
             return
 

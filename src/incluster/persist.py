@@ -1,0 +1,159 @@
+"""Uploads to the persistent tier, in the writer, never in the trainer's way.
+
+Layout: ``<persistent>/<job>/step-SSSSSSSSSSSS/rank-RRRRR.{safetensors,json}`` and
+``COMMITTED.json``, the manifest: every rank's shard size and checksums. Each rank
+uploads its shard straight from the mapped slot (streamed in chunks), then records it in
+the job store (``pr/N/<rank>`` and a count ``p/N``); the rank completing the count
+writes the manifest, sets the outcome ``po/N`` and applies retention (newest K manifested
+steps kept, anything older deleted). Readers trust a step only if its manifest exists.
+
+One upload at a time per rank: a persistent save that is due while the previous upload
+still runs is skipped and counted (and published, so no rank waits for it); uploads are
+never queued without bound. Transient errors are retried with backoff; a permanent one
+fails that step's upload and is reported, while training and in-cluster saves go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from incluster.commit import Coordinator
+from incluster.testing import faults
+from incluster.tiers.persistent import FsspecTier
+
+log = logging.getLogger("incluster")
+MANIFEST = "COMMITTED.json"
+_STEP = re.compile(r"^step-(\d{12,})$")
+
+
+def step_dir(job: str, step: int) -> str:
+    return f"{job}/step-{step:012d}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersistParams:
+    """Picklable: crosses into the writer process."""
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+    job: str
+    rank: int
+    world_size: int
+    every: int = 1
+    interval_s: float | None = None
+    keep: int = 2
+    retries: int = 3
+    timeout_s: float = 600.0
+
+
+def manifested_steps(tier: FsspecTier, job: str) -> list[int]:
+    """Steps with a manifest, newest first."""
+    out = []
+    for name in tier.list(job):
+        m = _STEP.match(name)
+        if m and MANIFEST in tier.list(f"{job}/{name}"):
+            out.append(int(m.group(1)))
+    return sorted(out, reverse=True)
+
+
+class Uploader:
+    def __init__(self, params: PersistParams, coord: Coordinator) -> None:
+        self.p = params
+        self.coord = coord
+        self.tier = FsspecTier(params.url, params.options)
+        self._busy = threading.Lock()
+        self._saves = 0
+        self._last_t = 0.0
+        self.skipped = 0
+        self.failed = 0
+
+    def due(self, step: int) -> bool:
+        """Whether this save goes to the persistent tier: the same answer on every rank."""
+        self._saves += 1
+        if self.p.interval_s is None:
+            return (self._saves - 1) % self.p.every == 0
+        # Time-based: rank 0 decides (its clock), every other rank reads its decision.
+        key_value = None
+        if self.p.rank == 0:
+            now = time.monotonic()
+            key_value = "1" if now - self._last_t >= self.p.interval_s or self._saves == 1 else "0"
+            if key_value == "1":
+                self._last_t = now
+        return self.coord.persist_outcome(-step - 1, key_value, self.p.timeout_s) == "1"
+
+    def start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None]) -> bool:
+        """Upload in the background; False (skipped) if the previous upload still runs."""
+        if not self._busy.acquire(blocking=False):
+            self.skipped += 1
+            log.warning("incluster: rank %d skips the persistent save of step %d: the previous upload "
+                        "is still running (%d skipped so far)", self.p.rank, step, self.skipped)
+            self.coord.persist_outcome(step, f"fail:{self.p.rank}:skipped, previous upload still running", 0)
+            return False
+
+        def run() -> None:
+            err = None
+            try:
+                err = self._upload(step, sidecar, buf, size)
+            except BaseException as exc:  # noqa: BLE001 - reported, never raised into training
+                err = f"{type(exc).__name__}: {exc}"
+            finally:
+                self._busy.release()
+            if err is not None:
+                self.failed += 1
+                log.warning("incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
+            done(err)
+
+        threading.Thread(target=run, name=f"incluster-upload-{step}", daemon=True).start()
+        return True
+
+    def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
+        delay = 0.5
+        for attempt in range(1, self.p.retries + 1):
+            try:
+                return fn()
+            except (OSError, TimeoutError, ConnectionError) as exc:
+                if attempt == self.p.retries:
+                    raise
+                log.info("incluster: %s failed (%s); retry %d in %.1f s", what, exc, attempt, delay)
+                time.sleep(delay)
+                delay *= 2
+        return None
+
+    def _upload(self, step: int, sidecar: bytes, buf: Any, size: int) -> str | None:
+        d = step_dir(self.p.job, step)
+        name = f"rank-{self.p.rank:05d}"
+        view = memoryview(buf)[:size] if size else memoryview(b"")
+        self._retry("shard upload", lambda: self.tier.write(f"{d}/{name}.safetensors", view))
+        faults.check("upload", self.p.rank, step)
+        self._retry("sidecar upload", lambda: self.tier.write(f"{d}/{name}.json", memoryview(sidecar)))
+        sc = json.loads(sidecar)
+        info = json.dumps({"rank": self.p.rank, "size": size, "checksum": sc["checksum"]})
+        if self.coord.persisted(step, info):
+            infos = sorted((json.loads(i) for i in self.coord.persist_infos(step)), key=lambda i: i["rank"])
+            manifest = {"format": "incluster-manifest", "version": 1, "job": self.p.job, "step": step,
+                        "world_size": self.p.world_size, "ranks": infos, "created": time.time()}
+            self._retry("manifest upload", lambda: self.tier.write(f"{d}/{MANIFEST}", memoryview(json.dumps(manifest).encode())))
+            self.coord.persist_outcome(step, "ok", 0)
+            self._retention(step)
+        value = self.coord.persist_outcome(step, None, self.p.timeout_s)
+        return None if value == "ok" else value
+
+    def _retention(self, newest: int) -> None:
+        """Keep the newest ``keep`` manifested steps; delete everything older."""
+        kept = manifested_steps(self.tier, self.p.job)[: self.p.keep]
+        if not kept:
+            return
+        for name in self.tier.list(self.p.job):
+            m = _STEP.match(name)
+            if m and int(m.group(1)) < min(kept):
+                self.tier.delete(f"{self.p.job}/{name}")
+
+    def wait_idle(self, timeout: float) -> None:
+        if self._busy.acquire(timeout=timeout):
+            self._busy.release()

@@ -1,0 +1,110 @@
+"""Tier 2: any path or fsspec URL (local folder, ``file://``, ``s3://``, ``gs://``, ...).
+
+Writes are streamed in chunks straight from the caller's buffer (a mapped slot file), so
+no full copy of a shard is ever made in Python. On POSIX paths an object is written to a
+temporary name, fsynced, renamed, and its folder fsynced; on object stores a single PUT
+(or a completed multipart upload) is already atomic. Filesystems that fsspec can only
+reach through an optional package raise :class:`TierUnavailableError` naming the extra.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Any
+
+from incluster.errors import TierUnavailableError
+
+CHUNK = 16 * 1024 * 1024
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+class FsspecTier:
+    def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+        import fsspec
+
+        self.url = url
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+        except ImportError as exc:
+            scheme = url.split("://", 1)[0]
+            extra = _EXTRAS.get(scheme, scheme)
+            raise TierUnavailableError(
+                f"the persistent tier {url!r} needs an optional package ({exc}); "
+                f"install it with: pip install 'incluster[{extra}]'"
+            ) from None
+        self.root = root.rstrip("/")
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.posix = protocol in ("file", "local")
+
+    def _p(self, path: str) -> str:
+        parts = [p for p in path.split("/") if p]
+        if any(p in (".", "..") for p in parts):
+            raise ValueError(f"tier paths must not contain '.' or '..' ({path!r})")
+        return posixpath.join(self.root, *parts)
+
+    def write(self, path: str, data: memoryview, *, atomic: bool = True) -> None:
+        full = self._p(path)
+        self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
+        view = memoryview(data).cast("B")
+        if not self.posix:
+            with self.fs.open(full, "wb") as f:
+                for i in range(0, view.nbytes, CHUNK):
+                    f.write(view[i : i + CHUNK])
+            return
+        tmp = f"{full}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for i in range(0, view.nbytes, CHUNK):
+                os.write(fd, view[i : i + CHUNK])
+            if atomic:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, full)
+        if atomic:
+            dfd = os.open(posixpath.dirname(full), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def read(self, path: str, into: memoryview | None = None) -> bytes | int:
+        full = self._p(path)
+        with self.fs.open(full, "rb") as f:
+            if into is None:
+                data: bytes = f.read()
+                return data
+            view = memoryview(into).cast("B")
+            n = 0
+            while n < view.nbytes:
+                chunk = f.read(min(CHUNK, view.nbytes - n))
+                if not chunk:
+                    break
+                view[n : n + len(chunk)] = chunk
+                n += len(chunk)
+            return n
+
+    def size(self, path: str) -> int:
+        return int(self.fs.info(self._p(path))["size"])
+
+    def delete(self, path: str) -> None:
+        full = self._p(path)
+        try:
+            self.fs.rm(full, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = self._p(prefix) if prefix else self.root
+        try:
+            entries = self.fs.ls(full, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+
+    def close(self) -> None:
+        pass

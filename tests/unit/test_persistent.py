@@ -1,0 +1,142 @@
+"""The persistent tier through the Checkpointer: every Nth step, manifests, retention,
+restores when the cluster's RAM is gone, failures that never stop training."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import shutil
+import uuid
+
+import pytest
+import torch
+
+import incluster
+from incluster.testing import FaultInjector
+
+import s3server
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((5000,), v), "extra": {"v": v}}
+
+
+def _run(local_dir, persistent, steps, writer="thread", **kw):
+    handles = {}
+    with incluster.Checkpointer(
+        local_dir=local_dir, job="p", writer=writer, persistent=persistent, persistent_every=2, **kw
+    ) as ck:
+        for step in steps:
+            handles[step] = ck.save(step, _state(float(step)))
+            handles[step].wait()
+            try:
+                handles[step].persisted.result(60)  # one upload at a time: let it finish
+            except incluster.TierUnavailableError:
+                pass
+    return handles
+
+
+def _manifests(root):
+    return sorted(n for n in os.listdir(os.path.join(root, "p")) if os.path.exists(os.path.join(root, "p", n, "COMMITTED.json")))
+
+
+def test_every_nth_step_is_uploaded_with_a_manifest_and_old_ones_retired(local_dir, tmp_path):
+    root = str(tmp_path / "persist")
+    handles = _run(local_dir, root, range(6), persistent_keep=2)
+    assert [h.persisted.result(30) for h in handles.values()] == [True, False, True, False, True, False]
+    assert _manifests(root) == ["step-000000000002", "step-000000000004"]
+    manifest = json.load(open(os.path.join(root, "p", "step-000000000004", "COMMITTED.json")))
+    assert manifest["world_size"] == 1 and manifest["ranks"][0]["rank"] == 0
+    assert manifest["ranks"][0]["size"] == os.path.getsize(os.path.join(root, "p", "step-000000000004", "rank-00000.safetensors"))
+
+
+def test_ram_lost_restores_from_persistent_and_heals_ram(local_dir, tmp_path):
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(6))
+    shutil.rmtree(os.path.join(local_dir, "p"))  # every node's RAM is gone
+    target = _state(0.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+        assert ck.load(target) == 4
+        assert ck.last_restore.source == "persistent"
+        assert torch.equal(target["w"], torch.full((5000,), 4.0)) and target["extra"] == {"v": 4.0}
+        assert os.path.exists(os.path.join(ck.folder, "step-000000000004.json"))  # healed
+        ck.save(5, _state(5.0)).wait()  # and saving goes on from there
+
+
+def test_in_cluster_copy_is_preferred_when_as_new(local_dir, tmp_path):
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(5))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+        assert ck.load(_state(0.0)) == 4 and ck.last_restore.source == "local"
+
+
+def test_s3_through_a_real_s3_protocol_server(local_dir, s3_endpoint):
+    bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
+    s3server.make_bucket(s3_endpoint, bucket)
+    url, opts = f"s3://{bucket}/run-7", s3server.options(s3_endpoint)
+    handles = _run(local_dir, url, range(4), writer="process", persistent_options=opts)
+    assert handles[2].persisted.result(60) is True
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    target = _state(0.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=url, persistent_options=opts) as ck:
+        assert ck.load(target) == 2 and ck.last_restore.source == "persistent"
+    assert torch.equal(target["w"], torch.full((5000,), 2.0))
+
+
+def test_failed_upload_is_reported_and_training_goes_on(local_dir, tmp_path, monkeypatch):
+    root = str(tmp_path / "persist")
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="upload", step=2).env().items())))
+    handles = _run(local_dir, root, range(5))
+    with pytest.raises(incluster.TierUnavailableError, match="step 2"):
+        handles[2].persisted.result(30)
+    assert handles[2].durable.done() and handles[4].persisted.result(30) is True
+    assert _manifests(root) == ["step-000000000000", "step-000000000004"]
+
+
+def test_a_persistent_save_due_while_the_previous_uploads_is_skipped(local_dir, tmp_path, monkeypatch):
+    import time
+
+    from incluster.tiers.persistent import FsspecTier
+
+    slow = FsspecTier.write
+
+    def write(self, path, data, **kw):
+        time.sleep(0.5)
+        return slow(self, path, data, **kw)
+
+    monkeypatch.setattr(FsspecTier, "write", write)
+    root = str(tmp_path / "persist")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root, persistent_every=1) as ck:
+        first = ck.save(0, _state(0.0))
+        first.wait()
+        second = ck.save(1, _state(1.0))  # due while step 0 is still uploading
+        second.wait()
+        assert second.persisted.result(30) is False
+        assert first.persisted.result(30) is True
+    assert _manifests(root) == ["step-000000000000"]
+
+
+@pytest.mark.multiproc
+def test_upload_killed_midway_leaves_no_manifest_and_the_previous_step_restores(local_dir, tmp_path, monkeypatch):
+    root = str(tmp_path / "persist")
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="upload", step=2, action="kill").env().items())))
+    ck = incluster.Checkpointer(local_dir=local_dir, job="p", persistent=root, persistent_every=2)
+    assert ck.save(0, _state(0.0)).persisted.result(60) is True
+    ck.save(1, _state(1.0)).wait()
+    ck.save(2, _state(2.0))  # the writer process dies inside this upload
+    pid = ck.writer_pid
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the writer never reached the upload fault"
+        time.sleep(0.05)
+    with pytest.raises(incluster.WriterProcessDied):
+        ck.save(3, _state(3.0)).wait(60)
+    ck.close()  # the death was already reported through the handle
+    monkeypatch.delenv("INCLUSTER_FAULTS")
+    assert _manifests(root) == ["step-000000000000"]
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    target = _state(9.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+        assert ck.load(target) == 0
+    assert torch.equal(target["w"], torch.zeros(5000))
