@@ -254,6 +254,9 @@ class Checkpointer:
             outcome.add_done_callback(lambda g: self._outcome(job, handle, g))
 
         local.add_done_callback(on_local)
+        if not self._warmed:  # right after the first save is handed to the writer, on this
+            self._warmed = True  # thread: the spare slots exist before the second save
+            self._warm(req.size)
 
     def _local_done(self, job: StageJob, handle: SaveHandle, fut: "Future[tuple[str, bool]]") -> None:
         if fut.exception() is None:
@@ -279,12 +282,6 @@ class Checkpointer:
         if self.world_size > 1:
             self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
         handle.durable.set_result(None)
-        if not self._warmed and job.layout is not None:
-            self._warmed = True
-            try:
-                self._stage_pool.submit(self._warm, job.layout.total_size)
-            except RuntimeError:
-                pass  # closing
 
     def _persisted(self, step: int, err: str | None) -> None:
         """The writer finished (or skipped) a persistent upload: unpin its slot, report."""
@@ -342,7 +339,6 @@ class Checkpointer:
                 if slot is None:
                     return
                 self.ring.prepare(slot, size)
-                self.ring.release(slot)
         except Exception as exc:  # noqa: BLE001 - warming is an optimisation only
             log.warning("incluster: could not pre-allocate checkpoint slots: %s", exc)
 

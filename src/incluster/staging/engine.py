@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from incluster.format.dtypes import NAME_TO_DTYPE
@@ -26,6 +27,7 @@ from incluster.staging.slots import Slot, SlotRing
 from incluster.state import Flat, flatten_snapshot
 
 log = logging.getLogger("incluster")
+SMALL_COPY = 16 * 1024 * 1024  # bytes; larger tensors use torch's multi-threaded copy
 
 
 @dataclass
@@ -72,8 +74,16 @@ class Stager:
             views = self._views(job.slot, layout)
             cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
             gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for dst, src in zip(views, flat.tensors):
-                (gpu if src.is_cuda else cpu).append((dst, src))
+            raws = job.slot.raw_views
+            for i, (dst, src) in enumerate(zip(views, flat.tensors)):
+                if src.is_cuda:
+                    gpu.append((dst, src))
+                elif src.is_contiguous() and src.dtype is dst.dtype and raws[i].nbytes <= SMALL_COPY:
+                    # One plain memcpy, no intra-op thread team per tensor: many small
+                    # tensors copy ~2x faster this way from a background thread.
+                    np.copyto(raws[i], src.detach().reshape(-1).view(torch.uint8).numpy())
+                else:
+                    cpu.append((dst, src))
             if gpu:
                 job.cuda_done = self._enqueue_cuda(job, gpu)
             for dst, src in cpu:
@@ -95,6 +105,7 @@ class Stager:
             header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
             buf[: len(layout.header)].copy_(header)
             slot.views = make_views(buf, layout)
+            slot.raw_views = [buf[e.offset : e.offset + e.nbytes].numpy() for e in layout.entries]
             slot.header_fp = layout.fingerprint
         return slot.views
 

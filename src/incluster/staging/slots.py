@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -62,12 +62,14 @@ class Slot:
     buf: torch.Tensor | None = None  # uint8 view of the whole mapping
     header_fp: str | None = None  # layout whose header is written in the file
     views: list[torch.Tensor] = field(default_factory=list)
+    raw_views: list[Any] = field(default_factory=list)  # numpy uint8 views, same entries
     maps: int = 0  # how many times this slot was (re)mapped: stays 1 while sizes match
     pinned: bool = False  # mapping registered with CUDA as page-locked memory
     uploading: bool = False  # the persistent tier is reading it: never reused meanwhile
 
     def unmap(self) -> None:
         self.views = []
+        self.raw_views = []
         self.buf = None
         if self.mm is not None:
             try:
@@ -151,13 +153,17 @@ class SlotRing:
             return slot
 
     def acquire_new(self) -> Slot | None:
-        """A brand-new slot for pre-allocation, or None when the ring is full."""
+        """A brand-new FREE slot to pre-allocate, or None when the ring is full.
+
+        It is FREE at once, so a save may take it; its staging then queues behind the
+        pre-allocation on the staging thread (which is the only caller of prepare)."""
         with self._cond:
             if len(self.slots) >= self.keep:
                 return None
             idx = len(self.slots)
-            s = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"), SlotState.STAGING)
+            s = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"), SlotState.FREE)
             self.slots.append(s)
+            self._cond.notify_all()
             return s
 
     def discard(self, step: int) -> None:
