@@ -15,9 +15,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    from incluster.demo import showcase
+    from incluster.demo import cluster, showcase
 
+    cluster.register(sub)
     showcase.register(sub)
+
+    import importlib.util
+
+    if importlib.util.find_spec("incluster.tools") is not None:
+        from incluster import tools
+
+        tools.register(sub)
 
     from incluster.goodput import cli as goodput_cli
 

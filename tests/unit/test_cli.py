@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 
-def test_demo_runs_and_reports_a_bitwise_restore(local_dir):
+def test_showcase_runs_and_reports_a_bitwise_restore(local_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "incluster", "demo", "--mib", "8", "--steps", "5", "--every", "2", "--local-dir", local_dir],
+        [sys.executable, "-m", "incluster", "showcase", "--mib", "8", "--steps", "5", "--every", "2", "--local-dir", local_dir],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,4 +1,4 @@
-"""``incluster demo``: a short, single-process tour of save and restore, with timings.
+"""``incluster showcase``: a short, single-process tour of save and restore, with timings.
 
 Trains a small model for a few steps, saving asynchronously, then "crashes" (drops the
 model), builds a fresh one, restores it from the RAM disk, checks it bitwise, and prints
@@ -19,7 +19,7 @@ import torch
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="save/restore showcase with timings")
+    p = sub.add_parser("showcase", help="single-process save/restore tour with timings")
     p.add_argument("--mib", type=int, default=256, help="approximate state size in MiB (default 256)")
     p.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
     p.add_argument("--every", type=int, default=3, help="save every N steps (default 3)")

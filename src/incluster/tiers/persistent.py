@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import time
 from typing import Any
 
 from incluster.errors import TierUnavailableError
@@ -24,8 +25,12 @@ class FsspecTier:
         import fsspec
 
         self.url = url
+        opts = dict(options or {})
+        # Not an fsspec option: caps this tier's throughput (bytes/s), e.g. to rehearse a
+        # restore from cloud storage at its real bandwidth.
+        self.max_bytes_per_s = float(opts.pop("max_bytes_per_s", 0) or 0)
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+            self.fs, root = fsspec.core.url_to_fs(url, **opts)
         except ImportError as exc:
             scheme = url.split("://", 1)[0]
             extra = _EXTRAS.get(scheme, scheme)
@@ -37,6 +42,12 @@ class FsspecTier:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.posix = protocol in ("file", "local")
 
+    def _pace(self, started: float, done: int) -> None:
+        if self.max_bytes_per_s > 0:
+            ahead = done / self.max_bytes_per_s - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+
     def _p(self, path: str) -> str:
         parts = [p for p in path.split("/") if p]
         if any(p in (".", "..") for p in parts):
@@ -47,16 +58,19 @@ class FsspecTier:
         full = self._p(path)
         self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
         view = memoryview(data).cast("B")
+        t0 = time.monotonic()
         if not self.posix:
             with self.fs.open(full, "wb") as f:
                 for i in range(0, view.nbytes, CHUNK):
                     f.write(view[i : i + CHUNK])
+                    self._pace(t0, i + CHUNK)
             return
         tmp = f"{full}.tmp-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             for i in range(0, view.nbytes, CHUNK):
                 os.write(fd, view[i : i + CHUNK])
+                self._pace(t0, i + CHUNK)
             if atomic:
                 os.fsync(fd)
         except BaseException:
@@ -74,9 +88,11 @@ class FsspecTier:
 
     def read(self, path: str, into: memoryview | None = None) -> bytes | int:
         full = self._p(path)
+        t0 = time.monotonic()
         with self.fs.open(full, "rb") as f:
             if into is None:
                 data: bytes = f.read()
+                self._pace(t0, len(data))
                 return data
             view = memoryview(into).cast("B")
             n = 0
@@ -86,6 +102,7 @@ class FsspecTier:
                     break
                 view[n : n + len(chunk)] = chunk
                 n += len(chunk)
+                self._pace(t0, n)
             return n
 
     def size(self, path: str) -> int:

@@ -1,0 +1,1 @@
+../src/incluster/demo/train_tiny_gpt.py

@@ -1,0 +1,199 @@
+"""``incluster demo``: a simulated cluster loses a node, a hot spare takes its place, two
+surviving nodes swap positions, and training resumes from the cluster's own RAM.
+
+Every rank is a real process running ``train_tiny_gpt.py`` (the script in examples/) with
+the environment torchrun would give it plus its node's name and RAM folder; gloo on
+127.0.0.1. The failure is a real SIGKILL of the node's processes and the loss of its RAM
+folder. Afterwards the same failure is restored once more from the persistent tier only,
+at the bandwidth given, to show what it would have cost without in-cluster copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+from incluster.testing.launch import Job, launch
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_tiny_gpt.py")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="simulated cluster: node failure, hot spare, recovery from peers")
+    p.add_argument("--nodes", type=int, default=4, help="nodes in the job (default 4), plus one hot spare")
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--persistent-every", type=int, default=4, help="every Nth checkpoint also goes to tier 2")
+    p.add_argument("--persistent-bandwidth", type=float, default=50.0, help="MB/s of the persistent tier in the what-if restore")
+    p.add_argument("--failures", type=int, default=1, help="node failures to inject (one after another)")
+    p.add_argument("--dim", type=int, default=128, help="model width (state grows with its square)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seed", type=int, default=None, help="fixes the failure step and node")
+    p.add_argument("--timeline", default="incluster-demo-timeline.png", help="PNG timeline of the run")
+    p.add_argument("--keep-files", action="store_true", help="leave the node folders for `incluster ls`")
+    p.set_defaults(func=run)
+
+
+def _reports(folder: str, world: int) -> dict[int, dict[str, Any]]:
+    out = {}
+    for r in range(world):
+        try:
+            with open(os.path.join(folder, f"rank-{r}.json")) as f:
+                out[r] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _progress(folder: str, world: int) -> int:
+    reps = _reports(folder, world)
+    steps = [max(map(int, r["losses"]), default=-1) for r in reps.values() if r.get("losses")]
+    return min(steps) if len(steps) == world else -1
+
+
+def _stop(job: Job, grace: float = 3.0) -> None:
+    """What an elastic agent does to the survivors: SIGTERM, then SIGKILL."""
+    for p in job.procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in job.procs):
+        time.sleep(0.05)
+    job.kill_all()
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    con = Console()
+    rng = random.Random(args.seed)
+    names = [chr(ord("A") + i) for i in range(args.nodes + args.failures)]
+    nodes, spares = names[: args.nodes], names[args.nodes :]
+    world = args.nodes * args.ranks_per_node
+    base = tempfile.mkdtemp(prefix="incluster-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    persistent = tempfile.mkdtemp(prefix="incluster-demo-persistent-")
+    run_dir = os.path.join(base, "events")
+    common = [SCRIPT, "--steps", str(args.steps), "--save-every", str(args.save_every),
+              "--persistent", persistent, "--persistent-every", str(args.persistent_every),
+              "--dim", str(args.dim), "--layers", str(args.layers), "--run-dir", run_dir]
+    env = {"INCLUSTER_JOB": "demo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    con.print(f"[bold]incluster demo[/]: {args.nodes} nodes x {args.ranks_per_node} rank(s), hot spare(s) "
+              f"{', '.join(spares)}; RAM folders under {base}, persistent tier {persistent}")
+    phases: list[dict[str, Any]] = []
+    whatif: dict[str, Any] = {}
+    try:
+        layout = list(nodes)
+        for attempt in range(args.failures + 1):
+            last = attempt == args.failures
+            folder = os.path.join(base, f"reports-{attempt}")
+            os.makedirs(folder)
+            job = launch(common + ["--report", folder], nodes=layout, ranks_per_node=args.ranks_per_node,
+                         base_dir=base, env=env)
+            kill_at = None if last else rng.randint(2 * args.save_every + 1, max(2 * args.save_every + 2, int(args.steps * 0.6)))
+            victim = None if last else rng.choice([n for n in layout])
+            phase = _watch(con, job, folder, world, layout, kill_at, victim, base, args.steps)
+            phases.append(phase)
+            if phase.get("failed"):
+                return 1
+            if last:
+                break
+            survivors = [n for n in layout if n != victim]
+            spare = spares[attempt]
+            layout = [spare if n == victim else n for n in layout]
+            a, b = rng.sample(range(len(layout)), 2) if len(survivors) >= 2 else (0, 0)
+            while spare in (layout[a], layout[b]) and len(layout) > 2:
+                a, b = rng.sample(range(len(layout)), 2)
+            layout[a], layout[b] = layout[b], layout[a]
+            con.print(f"[yellow]node {victim} lost (SIGKILL, RAM folder gone) at step {phase['progress']}[/]; "
+                      f"spare {spare} takes its place, {layout[b]} and {layout[a]} swap positions: "
+                      f"{' '.join(layout)}")
+            if attempt == 0:  # the persistent tier as it is at this failure
+                whatif = _whatif(con, common, base, layout, args, env, world)
+        from incluster.demo.report import render
+
+        render(con, phases, whatif, run_dir, args, persistent)
+        return 0 if all(p.get("bitwise", True) for p in phases[1:]) else 1
+    finally:
+        if args.keep_files:
+            con.print(f"files kept: {base} (RAM folders) and {persistent}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+            shutil.rmtree(persistent, ignore_errors=True)
+
+
+def _watch(con: Any, job: Job, folder: str, world: int, layout: list[str], kill_at: int | None,
+           victim: str | None, base: str, steps: int) -> dict[str, Any]:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    t0 = time.monotonic()
+    label = f"{'training' if kill_at is None else 'training until a node fails'} on {' '.join(layout)}"
+    phase: dict[str, Any] = {"layout": list(layout), "victim": victim, "t0": t0}
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+                  TimeElapsedColumn(), console=con, transient=False) as bar:
+        task = bar.add_task(label, total=steps)
+        while True:
+            step = _progress(folder, world)
+            bar.update(task, completed=max(step + 1, 0))
+            if kill_at is not None and step >= kill_at:
+                for r, n in enumerate(job.nodes):
+                    if n == victim:
+                        job.kill(r)
+                shutil.rmtree(os.path.join(base, str(victim)), ignore_errors=True)
+                phase["progress"] = step
+                _stop(job)
+                break
+            codes = [p.poll() for p in job.procs]
+            if all(c is not None for c in codes):
+                if any(c != 0 for c in codes):
+                    bad = next(r for r, c in enumerate(codes) if c != 0)
+                    con.print(f"[red]rank {bad} failed (exit {codes[bad]}); its log:[/]\n{job.output(bad)[-3000:]}")
+                    phase["failed"] = True
+                phase["progress"] = step
+                break
+            if time.monotonic() - t0 > 600:
+                job.kill_all()
+                con.print("[red]the demo did not finish within 10 minutes[/]")
+                phase["failed"] = True
+                break
+            time.sleep(0.1)
+    phase["seconds"] = time.monotonic() - t0
+    phase["reports"] = _reports(folder, world)
+    return phase
+
+
+def _whatif(con: Any, common: list[str], base: str, layout: list[str], args: argparse.Namespace,
+            env: dict[str, str], world: int) -> dict[str, Any]:
+    """Restore the final layout from the persistent tier alone, at the given bandwidth."""
+    whatif_base = os.path.join(base, "whatif")
+    folder = os.path.join(whatif_base, "reports")
+    os.makedirs(folder)
+    con.print(f"measuring the what-if: the same failure restored from the persistent tier alone, at "
+              f"{args.persistent_bandwidth:.0f} MB/s …")
+    cmd = common + ["--report", folder, "--restore-only", "--persistent-bandwidth", str(args.persistent_bandwidth)]
+    cmd[cmd.index("--run-dir") + 1] = os.path.join(whatif_base, "events")
+    job = launch(cmd, nodes=layout, ranks_per_node=args.ranks_per_node, base_dir=whatif_base,
+                 env={**env, "INCLUSTER_JOB": "demo"})
+    try:
+        codes = job.wait(300)
+    except TimeoutError:
+        return {"failed": True}
+    reps = _reports(folder, world)
+    if any(codes) or len(reps) < world:
+        return {"failed": True, "log": job.output(0)[-2000:]}
+    return {"reports": reps}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    a = p.parse_args(["demo", *sys.argv[1:]])
+    sys.exit(a.func(a))

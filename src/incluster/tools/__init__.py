@@ -1,0 +1,68 @@
+"""Operator tools: ``incluster ls``, ``incluster verify`` and ``incluster export``.
+
+They look at what is stored (RAM folders of one or several nodes, replicas, the
+persistent tier) without a running job: read-only, except ``export``, which writes only
+its output file. :func:`register` adds the three sub-commands to the ``incluster`` CLI;
+each sets ``func(args) -> int`` (0: all good; 1: a fault was found; 2: bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["register"]
+
+
+_DIRS = ("a node's RAM folder (e.g. /dev/shm/incluster), a job folder, a folder of node folders, "
+         "or a persistent-tier path/URL; several DIRs are read together (one per node)")
+
+
+def _locations(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dirs", metavar="DIR", nargs="+", help=_DIRS)
+    p.add_argument("--persistent", metavar="URL", action="append", default=[],
+                   help="also read this persistent tier (path or fsspec URL: s3://bucket/ckpt, ...)")
+    p.add_argument("--job", default=None, help="only this job (default: every job found)")
+
+
+def _intermixed(p: argparse.ArgumentParser) -> None:
+    """Let ``p`` take options between its positionals (``export DIR... --step N --to F OUT``).
+
+    Plain argparse assigns every positional at the first run of them (``DIR``), leaving
+    ``OUT`` unrecognized. The sub-parsers action calls ``p.parse_known_args``, so this
+    instance's method is routed through ``parse_known_intermixed_args`` (which calls the
+    plain method itself, hence the swap while it runs).
+    """
+    plain = p.parse_known_args
+
+    def parse(args: Any = None, namespace: Any = None) -> Any:
+        p.parse_known_args = plain  # type: ignore[method-assign]
+        try:
+            return p.parse_known_intermixed_args(args, namespace)
+        finally:
+            p.parse_known_args = parse  # type: ignore[method-assign]
+
+    p.parse_known_args = parse  # type: ignore[method-assign]
+
+
+def register(sub: Any) -> None:
+    """Add ``ls``, ``verify`` and ``export`` to an argparse sub-parsers object."""
+    from incluster.tools import export, ls, verify
+
+    p = sub.add_parser("ls", help="list stored checkpoints: steps, ranks, nodes, tiers, sizes, completeness")
+    _locations(p)
+    p.set_defaults(func=ls.run)
+
+    p = sub.add_parser("verify", help="check every stored copy's checksums; non-zero exit on any fault")
+    _locations(p)
+    p.add_argument("--step", type=int, default=None, help="only this step (default: every step)")
+    p.set_defaults(func=verify.run)
+
+    p = sub.add_parser("export", help="assemble one full state dict from every rank's shard of a step")
+    _locations(p)
+    p.add_argument("--step", type=int, required=True, help="the step to export")
+    p.add_argument("--to", choices=("safetensors", "torch"), required=True,
+                   help="safetensors (tensors; other values in OUT.json) or torch (one torch.save dict)")
+    p.add_argument("out", metavar="OUT", help="the file to write")
+    _intermixed(p)
+    p.set_defaults(func=export.run)

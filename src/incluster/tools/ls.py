@@ -1,0 +1,81 @@
+"""``incluster ls DIR...``: what is stored, step by step (sidecars and manifests only).
+
+Fast: reads commit records, never shard bytes (``incluster verify`` checks those). A
+step is *complete* when every rank 0..W-1 (W from the sidecars) has at least one copy
+with a readable sidecar, in any tier. Always exits 0 unless the DIRs cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from incluster.tools.scan import Copy, Inventory, missing_ranks, world_size
+from incluster.tools.ui import consoles, human, line, load
+
+
+def ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def status(ranks: dict[int, list[Copy]]) -> tuple[bool, str]:
+    """(complete, words) for one step, from its sidecars."""
+    w, why = world_size(ranks)
+    if w is None:
+        return False, f"unknown: {why}"
+    missing = missing_ranks(ranks)
+    if missing:
+        return False, f"incomplete: no copy of rank {ranges(missing)}"
+    strays = sorted(r for r in ranks if r >= w)
+    if strays:
+        return False, f"inconsistent: rank {ranges(strays)} beyond world size {w}"
+    bad = sum(1 for cs in ranks.values() for c in cs if c.error)
+    return True, f"complete ({bad} unreadable sidecar{'s' if bad != 1 else ''})" if bad else "complete"
+
+
+def table(inv: Inventory) -> Table:
+    t = Table(title="incluster checkpoints", title_justify="left")
+    for col, kw in (("job", {}), ("step", {"justify": "right"}), ("ranks", {"justify": "right"}),
+                    ("copies", {"justify": "right"}), ("nodes", {}), ("tiers", {}),
+                    ("size", {"justify": "right"}), ("stored", {"justify": "right"}), ("status", {})):
+        t.add_column(col, **kw)  # type: ignore[arg-type]
+    for (job, step), ranks in inv.steps().items():
+        w, _ = world_size(ranks)
+        present = sum(1 for cs in ranks.values() if any(c.sidecar for c in cs))
+        copies = [c for cs in ranks.values() for c in cs]
+        nodes = sorted({c.holder for c in copies if c.tier != "persistent"})
+        tiers = sorted({c.tier for c in copies}, key=["ram", "replica", "persistent"].index)
+        one = sum(next((c.nbytes for c in cs if c.sidecar), 0) for cs in ranks.values())
+        complete, words = status(ranks)
+        t.add_row(job, str(step), f"{present}/{w if w is not None else '?'}", str(len(copies)),
+                  ", ".join(nodes) or "-", ", ".join(tiers), human(one), human(sum(c.nbytes for c in copies)),
+                  f"[green]{words}[/]" if complete else f"[red]{words}[/]")
+    return t
+
+
+def run(args: argparse.Namespace) -> int:
+    out, err = consoles()
+    inv = load(args, err)
+    if inv is None:
+        return 2
+    if not inv.copies:
+        out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}", markup=False)
+    else:
+        out.print(table(inv))
+        out.print("size: one copy of every rank; stored: every copy in every tier", style="dim")
+    for c in inv.copies:
+        if c.error:
+            line(out, "[red]unreadable sidecar:[/]", c.error)
+    for _, _, text in inv.problems:
+        line(out, "[red]problem:[/]", text)
+    for n in inv.notes:
+        line(out, "[dim]info:[/]", f"{n.path}: {n.what}")
+    return 0

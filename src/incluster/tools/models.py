@@ -1,0 +1,88 @@
+"""What the operator tools know about stored checkpoints: copies, leftovers, steps.
+
+Plain records built by :mod:`incluster.tools.scan` (RAM folders) and
+:mod:`incluster.tools.remote` (the persistent tier); no I/O here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from incluster.format.sidecar import Sidecar
+from incluster.tiers.persistent import FsspecTier
+
+TIER_ORDER = {"ram": 0, "replica": 1, "persistent": 2}
+
+
+@dataclass
+class Copy:
+    """One stored copy of one rank's shard of one step."""
+
+    job: str
+    step: int
+    rank: int
+    tier: str  # "ram" (the rank's own copy), "replica" (a peer's copy), "persistent"
+    where: str  # the sidecar's path or URL, as shown to the user
+    folder: str = ""  # local copies: the rank folder
+    sidecar: Sidecar | None = None
+    error: str | None = None  # why the sidecar is unusable (a fault)
+    remote: tuple[FsspecTier, str] | None = None  # persistent copies: tier and shard key
+    manifest_checksum: Any = None  # persistent copies: what COMMITTED.json records
+
+    @property
+    def holder(self) -> str:
+        """The node (or tier) keeping this copy."""
+        if self.tier == "persistent":
+            return "persistent"
+        if self.sidecar is None:
+            return os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(self.where)))) or "?"
+        return str(self.sidecar.extra.get("replica_on") or self.sidecar.node)
+
+    @property
+    def nbytes(self) -> int:
+        return self.sidecar.checksum.size if self.sidecar is not None else 0
+
+
+@dataclass(frozen=True)
+class Note:
+    """Harmless leftovers: reported, never a fault."""
+
+    path: str
+    what: str
+
+
+@dataclass
+class Inventory:
+    copies: list[Copy] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    problems: list[tuple[str, int, str]] = field(default_factory=list)  # (job, step, fault) outside any one copy
+
+    def steps(self) -> dict[tuple[str, int], dict[int, list[Copy]]]:
+        """``(job, step) -> rank -> copies``, each rank's copies in tier order."""
+        out: dict[tuple[str, int], dict[int, list[Copy]]] = {}
+        for c in self.copies:
+            out.setdefault((c.job, c.step), {}).setdefault(c.rank, []).append(c)
+        for ranks in out.values():
+            for copies in ranks.values():
+                copies.sort(key=lambda c: (TIER_ORDER[c.tier], c.where))
+        return dict(sorted(out.items(), key=lambda kv: (kv[0][0], -kv[0][1])))
+
+
+def world_size(ranks: dict[int, list[Copy]]) -> tuple[int | None, str | None]:
+    """The step's world size from its readable sidecars, or a reason it is unknown."""
+    sizes = {c.sidecar.world_size for cs in ranks.values() for c in cs if c.sidecar is not None}
+    if len(sizes) == 1:
+        return sizes.pop(), None
+    if not sizes:
+        return None, "no readable sidecar"
+    return None, f"sidecars disagree on the world size ({', '.join(map(str, sorted(sizes)))})"
+
+
+def missing_ranks(ranks: dict[int, list[Copy]], ok: Callable[[Copy], bool] = lambda c: c.sidecar is not None) -> list[int] | None:
+    """Ranks 0..W-1 with no copy satisfying ``ok``; None if W is unknown."""
+    w, _ = world_size(ranks)
+    if w is None:
+        return None
+    return [r for r in range(w) if not any(ok(c) for c in ranks.get(r, []))]

@@ -1,0 +1,62 @@
+"""What the operator tools share: consoles, byte sizes, loading an inventory, copy checks."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from incluster.errors import CheckpointError
+from incluster.tools.scan import Copy, Inventory, open_copy, scan
+
+
+def consoles() -> tuple[Console, Console]:
+    """(stdout for results, stderr for progress and errors); no syntax highlighting of paths."""
+    return Console(highlight=False), Console(stderr=True, highlight=False)
+
+
+def human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def load(args: argparse.Namespace, err: Console) -> Inventory | None:
+    """Scan the DIRs named on the command line; None (after saying why) if that fails."""
+    try:
+        return scan(args.dirs, args.persistent, args.job)
+    except CheckpointError as exc:
+        err.print(f"[red]error:[/] {exc}", soft_wrap=True)
+        return None
+
+
+def line(con: Console, label: str, text: str) -> None:
+    """One message per line, never wrapped or cut (tests and scripts grep for paths)."""
+    con.print(label, end=" ")
+    con.print(text, markup=False, soft_wrap=True)
+
+
+def check_copies(copies: Iterable[Copy], err: Console, what: str = "verifying") -> dict[int, str | None]:
+    """Verify each copy's checksums with a progress bar: ``id(copy) -> None (good) or the reason``."""
+    copies = list(copies)
+    results: dict[int, str | None] = {}
+    columns: list[Any] = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                          TransferSpeedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(f"{what} {len(copies)} copies", total=sum(c.nbytes for c in copies) or 1)
+        for c in copies:
+            bar.update(task, description=f"{what} {c.job} step {c.step} rank {c.rank} ({c.holder})")
+            try:
+                open_copy(c).close()
+                results[id(c)] = None
+            except CheckpointError as exc:
+                results[id(c)] = str(exc)
+            except OSError as exc:
+                results[id(c)] = f"{c.where}: cannot read ({exc})"
+            bar.advance(task, c.nbytes)
+    return results

@@ -1,0 +1,29 @@
+"""`incluster demo`, run as a user runs it: a node dies, a spare takes over, training goes on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_demo_recovers_from_peers_bitwise(tmp_path):
+    png = tmp_path / "timeline.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "incluster", "demo", "--nodes", "3", "--steps", "16", "--save-every", "2",
+         "--dim", "64", "--layers", "2", "--seed", "3", "--timeline", str(png)],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )
+    text = out.stdout.replace("\n", " ")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "spare D takes its place" in text
+    assert "peer RAM" in text
+    assert "matches the saved one on every rank: yes" in text
+    assert "(identical)" in text and "Same failure, persistent tier only" in text
+    assert png.exists() and png.stat().st_size > 1000
+    base = out.stdout.split("RAM folders under ", 1)[1].split(",", 1)[0].split()[0]
+    assert base.startswith("/") and not os.path.exists(base), "the demo must remove its RAM folders"

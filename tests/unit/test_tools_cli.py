@@ -1,0 +1,320 @@
+"""``incluster ls / verify / export``, run as an operator runs them, on real and damaged folders.
+
+Two fixtures: a real single-rank checkpoint written by a Checkpointer, and a two-node,
+two-rank DTensor checkpoint (each node keeps its own shard and a replica of the other's)
+written with the project's own format code, as the writer and the replicator write it.
+A few tests start the real command line in a subprocess; the rest call the same parser
+in-process (each subprocess pays torch's import time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from incluster.format.checksum import compute
+from incluster.format.dtypes import dtype_name
+from incluster.format.layout import TensorSpec, build_layout
+from incluster.format.sidecar import Sidecar, write_sidecar
+from incluster.staging.engine import make_views
+from incluster.staging.slots import sidecar_file, step_file
+
+RUNNER = "import argparse, sys, incluster.tools as t; p = argparse.ArgumentParser(prog='incluster'); " \
+         "t.register(p.add_subparsers()); a = p.parse_args(); sys.exit(a.func(a))"
+
+
+def _wired() -> bool:
+    """Whether ``python -m incluster ls`` exists yet (cli.py registers the tools)."""
+    from incluster.cli import build_parser
+
+    try:
+        build_parser().parse_args(["ls", "--help"])
+    except SystemExit as exc:
+        return exc.code == 0
+    return False
+
+
+CLI = [sys.executable, "-m", "incluster"] if _wired() else [sys.executable, "-c", RUNNER]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def inproc(capsys: Any, *args: str) -> tuple[int, str]:
+    """The same commands in this process: (exit code, stdout + stderr)."""
+    import incluster.tools as tools
+
+    parser = argparse.ArgumentParser(prog="incluster")
+    tools.register(parser.add_subparsers())
+    ns = parser.parse_args(list(args))
+    code = ns.func(ns)
+    got = capsys.readouterr()
+    return code, got.out + got.err
+
+
+@pytest.fixture(autouse=True)
+def _wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+# -- fixtures ---------------------------------------------------------------------------
+def write_shard(folder: str, *, job: str, step: int, rank: int, world: int, node: str,
+                tensors: dict[str, torch.Tensor], tree: Any, extra: dict[str, Any] | None = None) -> None:
+    """One committed shard, written the way writer/local_commit.py writes a slot."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    layout = build_layout([TensorSpec(n, dtype_name(t.dtype, n), tuple(t.shape)) for n, t in tensors.items()])
+    buf = torch.zeros(layout.total_size, dtype=torch.uint8)
+    buf[: len(layout.header)] = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+    for view, t in zip(make_views(buf, layout), tensors.values()):
+        view.copy_(t)
+    data = buf.numpy().tobytes()
+    with open(os.path.join(folder, step_file(step)), "wb") as f:
+        f.write(data)
+    sc = Sidecar(job=job, step=step, rank=rank, world_size=world, node=node, shard=step_file(step),
+                 checksum=compute(data), fingerprint=layout.fingerprint, tree=tree, extra=extra or {})
+    write_sidecar(os.path.join(folder, sidecar_file(step)), sc)
+
+
+W = torch.arange(24, dtype=torch.float32).reshape(4, 6)  # Shard(0) over 2 ranks
+E = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # Shard(1), uneven 3 + 2
+B = torch.linspace(0, 1, 6, dtype=torch.float64)  # Replicate
+
+
+def _dt(name: str, placement: list[Any], full: torch.Tensor, offset: list[int], local: torch.Tensor) -> dict[str, Any]:
+    return {"D": name, "mesh_shape": [2], "mesh_dims": ["tp"], "placements": [placement],
+            "global_shape": list(full.shape), "global_offset": offset, "local_shape": list(local.shape)}
+
+
+def rank_state(rank: int) -> tuple[dict[str, torch.Tensor], Any]:
+    w, e = W[2 * rank : 2 * rank + 2], (E[:, :3] if rank == 0 else E[:, 3:])
+    tensors = {"model/w": w.clone(), "model/e": e.clone(), "model/b": B.clone(), "step": torch.tensor(7)}
+    if rank == 1:
+        tensors["rank1_only"] = torch.ones(2, dtype=torch.int16)
+    model = {"d": [["w", _dt("model/w", ["S", 0], W, [2 * rank, 0], w)],
+                   ["e", _dt("model/e", ["S", 1], E, [0, 3 * rank], e)],
+                   ["b", _dt("model/b", ["R"], B, [0], B)]]}
+    items = [["model", {"S": "module", "v": model}], ["step", {"T": "step"}],
+             ["progress", {"d": [["step", {"v": 5}], ["lr", {"f": "nan"}], ["name", {"v": f"rank{rank}"}]]}]]
+    if rank == 1:
+        items.append(["rank1_only", {"T": "rank1_only"}])
+    return tensors, {"d": items}
+
+
+@pytest.fixture
+def cluster(local_dir: str) -> dict[str, str]:
+    """Two node folders, job j, step 10: each node holds its rank's shard and the other's replica."""
+    nodes = {"nodeA": os.path.join(local_dir, "nodeA"), "nodeB": os.path.join(local_dir, "nodeB")}
+    for rank, (own, other) in enumerate((("nodeA", "nodeB"), ("nodeB", "nodeA"))):
+        tensors, tree = rank_state(rank)
+        kw = dict(job="j", step=10, rank=rank, world=2, node=own, tensors=tensors, tree=tree)
+        write_shard(os.path.join(nodes[own], "j", f"rank-{rank:05d}"), **kw)  # type: ignore[arg-type]
+        write_shard(os.path.join(nodes[other], "j", f"rank-{rank:05d}"), extra={"replica_on": other}, **kw)  # type: ignore[arg-type]
+    return nodes
+
+
+def shard_of(node_dir: str, rank: int, step: int = 10) -> str:
+    return os.path.join(node_dir, "j", f"rank-{rank:05d}", step_file(step))
+
+
+def flip_byte(path: str, at: int = -3) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at, os.SEEK_END)
+        b = f.read(1)
+        f.seek(at, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def real(local_dir: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """A real single-rank checkpoint (steps 2 and 3) and the model state saved at step 3."""
+    import incluster
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters())
+    ckpt = incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread", node="n0")
+    try:
+        for step in (1, 2, 3):
+            model(torch.randn(4, 8)).sum().backward()
+            optim.step()
+            ckpt.save(step, {"model": model, "optim": optim, "meta": {"step": step}}).wait()
+    finally:
+        ckpt.close()
+    return local_dir, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# -- as a user runs them (subprocess) -----------------------------------------------------
+def test_ls_two_nodes_shows_ranks_nodes_tiers(cluster: dict[str, str]) -> None:
+    out = cli("ls", cluster["nodeA"], cluster["nodeB"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    row = next(line for line in out.stdout.splitlines() if "│ j " in line)
+    for word in ("10", "2/2", "nodeA, nodeB", "ram, replica", "complete"):
+        assert word in row, row
+
+
+def test_verify_names_the_corrupt_file_and_fails(cluster: dict[str, str]) -> None:
+    bad = shard_of(cluster["nodeB"], 0)  # the replica of rank 0
+    flip_byte(bad)
+    out = cli("verify", cluster["nodeA"], cluster["nodeB"])
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"FAULT: {bad}: checksum mismatch" in out.stdout
+    assert "1 corrupt" in out.stdout and "0 incomplete" in out.stdout
+
+
+def test_missing_sidecar_export_refuses(cluster: dict[str, str], tmp_path: Any) -> None:
+    for node in cluster.values():
+        os.unlink(os.path.join(node, "j", "rank-00001", sidecar_file(10)))
+    dest = str(tmp_path / "full.safetensors")
+    out = cli("export", *cluster.values(), "--step", "10", "--to", "safetensors", dest)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "refused" in out.stdout and "rank 1: no copy with a sidecar" in out.stdout
+    assert not os.path.exists(dest) and not os.path.exists(dest + ".json")
+
+
+def test_export_assembles_dtensor_shards(cluster: dict[str, str], tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    dest = str(tmp_path / "full.safetensors")
+    out = cli("export", cluster["nodeA"], cluster["nodeB"], "--step", "10", "--to", "safetensors", dest)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = load_file(dest)
+    assert set(got) == {"model/w", "model/e", "model/b", "step", "rank1_only"}
+    assert torch.equal(got["model/w"], W) and torch.equal(got["model/e"], E) and torch.equal(got["model/b"], B)
+    assert got["model/e"].dtype == torch.bfloat16 and int(got["step"]) == 7
+    side = json.loads(open(dest + ".json").read())
+    assert side["step"] == 10 and side["world_size"] == 2
+    assert side["leaves"] == {"progress/step": 5, "progress/lr": "nan", "progress/name": "rank0"}
+
+
+def test_real_checkpoint_verify_ok_and_garbage_is_info(real: tuple[str, dict[str, torch.Tensor]]) -> None:
+    root, _ = real
+    folder = os.path.join(root, "j", "rank-00000")
+    open(os.path.join(folder, ".staging-9"), "wb").close()
+    open(os.path.join(folder, sidecar_file(4) + ".tmp-123"), "wb").close()
+    out = cli("verify", root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK: 2 copies checked, 0 corrupt" in out.stdout
+    assert ".staging-9: staging slot" in out.stdout and "half-written sidecar" in out.stdout
+    assert "FAULT" not in out.stdout
+
+
+# -- the same commands in-process: details ------------------------------------------------
+def test_missing_sidecar_ls_incomplete_verify_fails(cluster: dict[str, str], capsys: Any) -> None:
+    for node in cluster.values():
+        os.unlink(os.path.join(node, "j", "rank-00001", sidecar_file(10)))
+    code, text = inproc(capsys, "ls", *cluster.values())
+    assert code == 0 and "1/2" in text and "incomplete: no copy of rank 1" in text, text
+    assert "shard without a sidecar" in text  # the orphaned shards: info only
+    code, text = inproc(capsys, "verify", *cluster.values(), "--step", "10")
+    assert code == 1 and "rank 1 cannot be restored: it has no copy with a sidecar anywhere" in text, text
+
+
+def test_real_checkpoint_ls_and_export_both_formats(real: tuple[str, dict[str, torch.Tensor]], tmp_path: Any,
+                                                    capsys: Any) -> None:
+    from safetensors.torch import load_file
+
+    root, model = real
+    code, text = inproc(capsys, "ls", root)
+    assert code == 0 and "│ j   │    3 │   1/1 │" in text and "n0" in text and "complete" in text, text
+    code, text = inproc(capsys, "export", os.path.join(root, "j"), "--step", "3", "--to", "safetensors",
+                        str(tmp_path / "m.safetensors"))
+    assert code == 0, text
+    got = load_file(str(tmp_path / "m.safetensors"))
+    for k, v in model.items():
+        assert torch.equal(got[f"model/{k}"], v)
+    assert "optim/state/0/exp_avg" in got
+    leaves = json.loads((tmp_path / "m.safetensors.json").read_text())["leaves"]
+    assert leaves["meta/step"] == 3 and leaves["optim/param_groups/0/lr"] == 0.001
+    code, text = inproc(capsys, "export", root, "--step", "3", "--to", "torch", str(tmp_path / "m.pt"))
+    assert code == 0, text
+    obj = torch.load(str(tmp_path / "m.pt"), weights_only=True)
+    assert torch.equal(obj["model/0.weight"], model["0.weight"]) and obj["meta/step"] == 3
+
+
+def test_export_uses_a_replica_when_the_own_copy_is_corrupt(cluster: dict[str, str], tmp_path: Any,
+                                                            capsys: Any) -> None:
+    flip_byte(shard_of(cluster["nodeA"], 0))
+    code, text = inproc(capsys, "export", *cluster.values(), "--step", "10", "--to", "torch", str(tmp_path / "x.pt"))
+    assert code == 0, text
+    assert f"rank 0: {os.path.join(cluster['nodeB'], 'j', 'rank-00000', sidecar_file(10))} (replica on nodeB)" in text
+    obj = torch.load(str(tmp_path / "x.pt"), weights_only=True)
+    assert torch.equal(obj["model/w"], W) and math.isnan(obj["progress/lr"]) and obj["progress/name"] == "rank0"
+
+
+def test_export_refuses_when_every_copy_of_a_rank_is_corrupt(cluster: dict[str, str], tmp_path: Any,
+                                                             capsys: Any) -> None:
+    for node in cluster.values():
+        flip_byte(shard_of(node, 1))
+    code, text = inproc(capsys, "export", *cluster.values(), "--step", "10", "--to", "torch", str(tmp_path / "x.pt"))
+    assert code == 1 and "rank 1:" in text and text.count("checksum mismatch") == 2, text
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_export_refuses_a_missing_dtensor_shard(local_dir: str, tmp_path: Any, capsys: Any) -> None:
+    # World size 2 but both ranks claim the same Shard(0) offset: half of W is nowhere.
+    for rank in (0, 1):
+        tensors, tree = rank_state(0)
+        write_shard(os.path.join(local_dir, "j", f"rank-{rank:05d}"), job="j", step=1, rank=rank, world=2,
+                    node="n", tensors=tensors, tree=tree)
+    code, text = inproc(capsys, "export", local_dir, "--step", "1", "--to", "torch", str(tmp_path / "x.pt"))
+    assert code == 1 and "model/w: the shards cover 12 of 24 elements" in text, text
+
+
+def test_truncated_shard_and_bad_sidecar_are_faults(cluster: dict[str, str], capsys: Any) -> None:
+    with open(shard_of(cluster["nodeA"], 1), "r+b") as f:
+        f.truncate(100)
+    with open(os.path.join(cluster["nodeB"], "j", "rank-00001", sidecar_file(10)), "w") as f:
+        f.write("{not json")
+    code, text = inproc(capsys, "verify", *cluster.values())
+    assert code == 1, text
+    assert "100 bytes on disk but the sidecar says" in text and "sidecar is not valid JSON" in text
+    assert "rank 1 cannot be restored: all 2 of its copies are corrupt" in text
+    code, text = inproc(capsys, "ls", *cluster.values())
+    assert code == 0 and "unreadable sidecar" in text and "2/2" in text  # rank 1 still has one sidecar
+
+
+def test_persistent_tier_is_listed_verified_and_exported(cluster: dict[str, str], tmp_path: Any,
+                                                         capsys: Any) -> None:
+    root = tmp_path / "persist"
+    d = root / "j" / "step-000000000010"
+    d.mkdir(parents=True)
+    infos = []
+    for rank in (0, 1):
+        src = os.path.join(cluster["nodeA"], "j", f"rank-{rank:05d}")
+        shutil.copy(os.path.join(src, step_file(10)), d / f"rank-{rank:05d}.safetensors")
+        sc = json.loads(open(os.path.join(src, sidecar_file(10))).read())
+        sc["extra"] = {}
+        (d / f"rank-{rank:05d}.json").write_text(json.dumps(sc))
+        infos.append({"rank": rank, "size": sc["checksum"]["size"], "checksum": sc["checksum"]})
+    (d / "COMMITTED.json").write_text(json.dumps({"format": "incluster-manifest", "version": 1, "job": "j",
+                                                  "step": 10, "world_size": 2, "ranks": infos, "created": time.time()}))
+    (root / "j" / "step-000000000012").mkdir()  # an upload that never got its manifest
+    code, text = inproc(capsys, "ls", str(root))
+    assert code == 0 and "persistent" in text and "2/2" in text and "without a COMMITTED.json" in text, text
+    code, text = inproc(capsys, "verify", f"file://{root}/j", "--step", "10")
+    assert code == 0 and "OK: 2 copies checked" in text, text
+    code, text = inproc(capsys, "export", str(root), "--step", "10", "--to", "safetensors", str(tmp_path / "p.st"))
+    assert code == 0 and "(persistent on persistent)" not in text and "persistent" in text, text
+    # Together with the RAM folders: six copies, and a corrupt persistent shard is a fault.
+    flip_byte(str(d / "rank-00001.safetensors"))
+    code, text = inproc(capsys, "verify", *cluster.values(), "--persistent", str(root))
+    assert code == 1 and "6 copies checked, 1 corrupt" in text and "rank-00001.safetensors: checksum mismatch" in text
+
+
+def test_missing_dir_and_unknown_step(local_dir: str, capsys: Any) -> None:
+    code, text = inproc(capsys, "ls", os.path.join(local_dir, "nope"))
+    assert code == 2 and "no such folder" in text
+    code, text = inproc(capsys, "verify", local_dir, "--step", "5")
+    assert code == 1 and "no step 5 found" in text
