@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 
 from incluster.topology import Topology
 
-Holdings = Mapping[str, Iterable[tuple[int, int]]]  # node -> {(owner, step)}
+Holdings = Mapping[str, Iterable[tuple[int, ...]]]  # node -> {(owner, step[, size])}
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class RankPlan:
     sends: tuple[int, ...] = ()  # ranks I send their shard to (from my node's copies)
     source_node: str | None = None  # the node my shard comes from
     persistent: dict | None = None  # type: ignore[type-arg]  # restore from tier 2: my manifest record
+    size: int | None = None  # bytes I will receive (so I can prepare the slot early)
 
 
 @dataclass
@@ -44,7 +45,8 @@ def index_holders(holdings: Holdings, topo: Topology, exclude: set[tuple[str, in
     for node, items in holdings.items():
         if node not in live:
             continue
-        for owner, step in set(items):
+        for item in set(items):
+            owner, step = item[0], item[1]
             if 0 <= owner < topo.world_size and (node, owner, step) not in exclude:
                 holders[(owner, step)].append(node)
     for nodes in holders.values():
@@ -87,8 +89,15 @@ def make_plan(topo: Topology, holdings: Holdings, exclude: set[tuple[str, int, i
         load[src] += 1
         source[r] = src
         sends[src].append(r)
+    sizes = {(i[0], i[1]): i[2] for items in holdings.values() for i in items if len(i) > 2}
     ranks = [
-        RankPlan(step, source[r], tuple(sends[r]), topo.node_of[r] if source[r] is None else topo.node_of[source[r]])  # type: ignore[index]
+        RankPlan(
+            step,
+            source[r],
+            tuple(sends[r]),
+            topo.node_of[r] if source[r] is None else topo.node_of[source[r]],  # type: ignore[index]
+            size=sizes.get((r, step)) if source[r] is not None else None,
+        )
         for r in range(topo.world_size)
     ]
     return Plan(step, ranks, missing)

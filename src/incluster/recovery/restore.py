@@ -27,7 +27,7 @@ import torch
 from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from incluster.recovery.plan import RankPlan, make_plan
 from incluster.recovery.transfer import Outgoing, exchange
-from incluster.staging.slots import SlotRing, sidecar_file
+from incluster.staging.slots import SlotRing, sidecar_file, step_file
 from incluster.state import load_into
 from incluster.testing import faults
 from incluster.tiers.local import ShardReader, committed_steps, rank_folder
@@ -63,8 +63,9 @@ class RestoreReport:
         )
 
 
-def node_inventory(local_dir: str, job: str) -> list[tuple[int, int]]:
-    """(owner rank, step) for every committed shard in this node's folder (names only)."""
+def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int]]:
+    """(owner rank, step, bytes) for every committed shard in this node's folder (names
+    and sizes only; nothing is read)."""
     base = os.path.join(local_dir, job)
     try:
         names = os.listdir(base)
@@ -73,7 +74,12 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, int]]:
     out = []
     for n in names:
         if n.startswith("rank-") and n[5:].isdigit():
-            out.extend((int(n[5:]), step) for step in committed_steps(os.path.join(base, n)))
+            folder = os.path.join(base, n)
+            for step in committed_steps(folder):
+                try:
+                    out.append((int(n[5:]), step, os.stat(os.path.join(folder, step_file(step))).st_size))
+                except FileNotFoundError:
+                    continue  # a sidecar without its shard: not a copy
     return out
 
 
@@ -128,18 +134,27 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
             report.source = "persistent"
             report.seconds = time.perf_counter() - t0
             return report
-        bad, outgoing = _verify_copies(ctx, mine, mine.step, report)
+        slot = None
+        if mine.source is not None and mine.size is not None:
+            # Allocate the receiving slot now, while the senders verify their copies.
+            slot = ctx.ring.acquire(mine.step, ctx.timeout_s)
+            ctx.ring.prepare(slot, mine.size)
+        bad, outgoing, own = _verify_copies(ctx, mine, mine.step, report)
         if _collect_bad(ctx, bad, exclude):
             for o in outgoing:
                 o.reader.close()
+            if own is not None:
+                own.close()
+            if slot is not None:
+                ctx.ring.release(slot)
             continue
-        problem = None
+        problem, received = None, None
         try:
             faults.check("load", ctx.rank, mine.step)
             if dist is not None:
-                problem = exchange(
+                problem, received = exchange(
                     ctx.rank, mine.step, mine.source, outgoing, ctx.ring,
-                    job=ctx.job, node=ctx.node, timeout_s=ctx.timeout_s,
+                    job=ctx.job, node=ctx.node, timeout_s=ctx.timeout_s, slot=slot,
                 )
         finally:
             for o in outgoing:
@@ -147,8 +162,12 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
         if problem is not None:
             report.notes.append(f"copy from rank {mine.source} rejected: {problem}")
         if _collect_bad(ctx, [(str(mine.source_node), ctx.rank, mine.step)] if problem else [], exclude):
+            if own is not None:
+                own.close()
             continue
-        _load(ctx, mine, mine.step, state, report)
+        if received is not None:
+            own = ShardReader.over(*received)
+        _load(ctx, mine, mine.step, state, report, own)
         report.seconds = time.perf_counter() - t0
         return report
     raise CheckpointError(f"restore did not settle after {MAX_ROUNDS} rounds of re-planning; see the log for bad copies")
@@ -164,10 +183,10 @@ def _plan_round(ctx: Context, gathered: list[Any] | None, exclude: set[tuple[str
     plans: list[Any] | None = None
     if gathered is not None:
         topo = Topology.from_nodes([g[0] for g in gathered])
-        holdings: dict[str, list[tuple[int, int]]] = {}
+        holdings: dict[str, list[tuple[int, ...]]] = {}
         for node, inv in gathered:
             if inv is not None:
-                holdings.setdefault(node, []).extend((int(o), int(s)) for o, s in inv)
+                holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
         plan = make_plan(topo, holdings, exclude)
         persisted = _persistent_plan(ctx, plan.step, exclude)
         if persisted is not None:
@@ -263,10 +282,12 @@ def _open(folder: str, step: int) -> ShardReader:
 
 def _verify_copies(
     ctx: Context, mine: RankPlan, step: int, report: RestoreReport
-) -> tuple[list[tuple[str, int, int]], list[Outgoing]]:
-    """Check every copy this rank will read or send; un-commit the bad ones."""
+) -> tuple[list[tuple[str, int, int]], list[Outgoing], ShardReader | None]:
+    """Check every copy this rank will read or send; un-commit the bad ones. My own
+    verified copy stays open for the load (verified once, mapped once)."""
     bad: list[tuple[str, int, int]] = []
     outgoing: list[Outgoing] = []
+    own: ShardReader | None = None
     needed = ([ctx.rank] if mine.source is None else []) + list(mine.sends)
     for owner in needed:
         folder = rank_folder(ctx.local_dir, ctx.job, owner)
@@ -287,11 +308,11 @@ def _verify_copies(
             bad.append((ctx.node, owner, step))
             continue
         if owner == ctx.rank:
-            reader.close()  # read again when loading
+            own = reader
         else:
             with open(os.path.join(folder, sidecar_file(step)), "rb") as f:
                 outgoing.append(Outgoing(owner, f.read(), reader))
-    return bad, outgoing
+    return bad, outgoing, own
 
 
 def _uncommit(folder: str, step: int) -> None:
@@ -319,9 +340,11 @@ def _collect_bad(ctx: Context, bad: list[tuple[str, int, int]], exclude: set[tup
     return box[0] > 0
 
 
-def _load(ctx: Context, mine: RankPlan, step: int, state: Mapping[str, Any], report: RestoreReport) -> None:
+def _load(ctx: Context, mine: RankPlan, step: int, state: Mapping[str, Any], report: RestoreReport,
+          reader: ShardReader | None = None) -> None:
+    """Copy the (already verified) shard into the live state."""
     folder = rank_folder(ctx.local_dir, ctx.job, ctx.rank)
-    with ShardReader(folder, step, verify_checksum=mine.source is None) as reader:
+    with reader if reader is not None else ShardReader(folder, step) as reader:
         sc = reader.sidecar
         if sc.world_size != ctx.world_size:
             raise CheckpointError(

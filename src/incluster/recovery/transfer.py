@@ -57,10 +57,13 @@ def exchange(
     job: str,
     node: str,
     timeout_s: float,
-) -> str | None:
-    """Send ``outgoing`` and, if ``source`` is set, receive this rank's shard from it.
+    slot: Any = None,
+) -> tuple[str | None, tuple[str, Sidecar, torch.Tensor] | None]:
+    """Send ``outgoing`` and, if ``source`` is set, receive this rank's shard from it
+    (into ``slot`` when the caller prepared one).
 
-    Returns None on success, else why the received copy is unusable (the caller re-plans).
+    Returns (why the received copy is unusable, or None; and on success the committed
+    shard's path, sidecar and mapped bytes, to load from without mapping it again).
     """
     ops = []
     lens = _wire(torch.zeros(2, dtype=torch.int64))
@@ -73,13 +76,14 @@ def exchange(
         w.wait()
     lens = lens.cpu()
     sc_len, size = int(lens[0]), int(lens[1])
-    ops, slot, sc_buf, wire_buf = [], None, None, None
+    ops, sc_buf, wire_buf = [], None, None
     problem = None
     if source is not None:
         if not (0 < sc_len <= _MAX_SIDECAR and size >= 0):
             problem = f"rank {source} announced a {sc_len}-byte sidecar and a {size}-byte shard"
         else:
-            slot = ring.acquire(step, timeout_s)
+            if slot is None:
+                slot = ring.acquire(step, timeout_s)
             buf = ring.prepare(slot, size)
             sc_buf = _empty(sc_len)
             wire_buf = _empty(size) if dist.get_backend() == "nccl" else buf
@@ -93,18 +97,20 @@ def exchange(
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
     if source is None or problem is not None or slot is None or sc_buf is None:
-        return problem
+        if slot is not None:
+            ring.release(slot)
+        return problem, None
     if wire_buf is not None and wire_buf.device.type == "cuda":
         ring.prepare(slot, size).copy_(wire_buf)
     try:
-        _commit(rank, step, ring, slot, bytes(sc_buf.cpu().numpy()), size, job=job, node=node, source=source)
+        sc = _commit(rank, step, ring, slot, bytes(sc_buf.cpu().numpy()), size, job=job, node=node, source=source)
     except CorruptCheckpointError as exc:
         ring.release(slot)
-        return str(exc)
-    return None
+        return str(exc), None
+    return None, (slot.path, sc, ring.prepare(slot, size))
 
 
-def _commit(rank: int, step: int, ring: SlotRing, slot: Any, raw: bytes, size: int, *, job: str, node: str, source: int) -> None:
+def _commit(rank: int, step: int, ring: SlotRing, slot: Any, raw: bytes, size: int, *, job: str, node: str, source: int) -> Sidecar:
     where = f"rank {rank}'s shard of step {step} received from rank {source}"
     try:
         sc = Sidecar.from_json(json.loads(raw), where)
@@ -118,3 +124,4 @@ def _commit(rank: int, step: int, ring: SlotRing, slot: Any, raw: bytes, size: i
     healed = dataclasses.replace(sc, shard=step_file(step), node=node, extra={**sc.extra, "restored_from_rank": source})
     write_sidecar(os.path.join(ring.folder, sidecar_file(step)), healed)
     ring.mark_committed(slot, step, final)
+    return healed

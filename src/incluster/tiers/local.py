@@ -81,6 +81,18 @@ class ShardReader:
             raise
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
 
+    @classmethod
+    def over(cls, path: str, sidecar: Sidecar, buf: torch.Tensor) -> "ShardReader":
+        """A reader over bytes already mapped and verified (a slot just received)."""
+        self = cls.__new__(cls)
+        self.sidecar, self.path, self._mm = sidecar, path, None
+        size = int(buf.numel())
+        raw = bytes(buf[:8].numpy())
+        n = header_length(raw, size, path)
+        self.header = parse_header(bytes(buf[: 8 + n].numpy()), size, path)
+        self._buf = buf
+        return self
+
     @property
     def nbytes(self) -> int:
         return self.header.file_size

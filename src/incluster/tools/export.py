@@ -29,7 +29,8 @@ from incluster.errors import CheckpointError
 from incluster.format.dtypes import dtype_name
 from incluster.format.layout import TensorSpec, build_layout
 from incluster.state import _escape
-from incluster.tools.scan import Copy, open_copy, world_size
+from incluster.tools.models import Copy, world_size
+from incluster.tools.scan import open_copy
 from incluster.tools.ui import consoles, human, line, load
 
 
@@ -67,7 +68,7 @@ class _Assembler:
             if not node["d"] and path:
                 self.out.leaves.setdefault(path, {})
         elif "l" in node or "t" in node:
-            items = node.get("l", node.get("t"))
+            items = node.get("l", node.get("t")) or []
             for i, child in enumerate(items):
                 self.walk(child, f"{path}/{i}", reader, rank)
             if not items and path:
@@ -154,7 +155,7 @@ def write_safetensors(state: Assembled, out: str, meta: dict[str, Any]) -> list[
         for e in sorted(layout.entries, key=lambda e: e.offset):
             if e.nbytes:
                 t = state.tensors[e.spec.name].contiguous()
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
     _write_atomic(out, write)
     side = {**meta, "tensors": len(names), "pickled": state.pickled,

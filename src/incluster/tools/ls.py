@@ -11,7 +11,7 @@ import argparse
 
 from rich.table import Table
 
-from incluster.tools.scan import Copy, Inventory, missing_ranks, world_size
+from incluster.tools.models import Copy, Inventory, missing_ranks, world_size
 from incluster.tools.ui import consoles, human, line, load
 
 

@@ -26,6 +26,13 @@ _STEP_DIR = re.compile(r"^step-(\d{12,})$")
 _REMOTE_SIDECAR = re.compile(r"^rank-(\d{5})\.json$")
 
 
+def _bytes(tier: FsspecTier, key: str) -> bytes:
+    data = tier.read(key)
+    if not isinstance(data, bytes):
+        raise CorruptCheckpointError(f"{tier.url}/{key}: the tier returned no bytes")
+    return data
+
+
 def scan_persistent(url: str, inv: Inventory) -> None:
     url = url.rstrip("/")
     root_tier = FsspecTier(url)
@@ -34,6 +41,8 @@ def scan_persistent(url: str, inv: Inventory) -> None:
         jobs, tier = [name], FsspecTier(base or "/")
     else:
         jobs, tier = [n for n in root_tier.list("") if any(_STEP_DIR.match(s) for s in root_tier.list(n))], root_tier
+    if not jobs:
+        inv.notes.append(Note(url, "no persistent-tier job (<job>/step-N/ folders) found here"))
     for job in jobs:
         manifested = set(manifested_steps(tier, job))
         for name in tier.list(job):
@@ -50,7 +59,7 @@ def scan_persistent(url: str, inv: Inventory) -> None:
 def _scan_remote_step(tier: FsspecTier, job: str, step: int, d: str, inv: Inventory) -> None:
     where = f"{tier.url}/{d}/{MANIFEST}"
     try:
-        manifest = json.loads(tier.read(f"{d}/{MANIFEST}"))
+        manifest = json.loads(_bytes(tier, f"{d}/{MANIFEST}"))
         listed = {int(r["rank"]): r["checksum"] for r in manifest["ranks"]}
         if manifest.get("job") != job or manifest.get("step") != step:
             raise ValueError(f"it describes job {manifest.get('job')!r} step {manifest.get('step')!r}")
@@ -66,7 +75,7 @@ def _scan_remote_step(tier: FsspecTier, job: str, step: int, d: str, inv: Invent
         copy = Copy(job, step, rank, "persistent", f"{tier.url}/{d}/{name}",
                     remote=(tier, f"{d}/rank-{rank:05d}.safetensors"), manifest_checksum=listed.get(rank))
         try:
-            sc = Sidecar.from_json(json.loads(tier.read(f"{d}/{name}")), copy.where)
+            sc = Sidecar.from_json(json.loads(_bytes(tier, f"{d}/{name}")), copy.where)
             if (sc.job, sc.rank, sc.step) != (job, rank, step):
                 raise CorruptCheckpointError(f"{copy.where}: sidecar describes job {sc.job!r} rank {sc.rank} step {sc.step}")
             copy.sidecar = sc
@@ -89,7 +98,7 @@ class BytesShard:
         self.sidecar = copy.sidecar
         self.path = f"{tier.url}/{key}"
         try:
-            data = bytearray(tier.read(key))
+            data = bytearray(_bytes(tier, key))
         except (OSError, FileNotFoundError) as exc:
             raise CorruptCheckpointError(f"{self.path}: cannot read shard ({exc})") from None
         verify(data, self.sidecar.checksum, self.path)

@@ -32,7 +32,6 @@ _SHARD = re.compile(r"^step-(\d{12,})\.safetensors$")
 _SEARCH_DEPTH = 3  # DIR, DIR/node, DIR/node/job: deep enough for a folder of node folders
 
 
-
 def scan(paths: list[str], persistent: list[str] | None = None, job: str | None = None) -> Inventory:
     """Every copy under ``paths`` (local folders or URLs) and ``persistent`` URLs."""
     inv = Inventory()
@@ -64,7 +63,7 @@ def _find(root: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     level = [root]
     for _ in range(_SEARCH_DEPTH):
-        nxt = []
+        nxt: list[str] = []
         for d in level:
             try:
                 subs = sorted(e.name for e in os.scandir(d) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))

@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from incluster.errors import CheckpointError
-from incluster.tools.scan import Copy, Inventory, open_copy, scan
+from incluster.tools.models import Copy, Inventory
+from incluster.tools.scan import open_copy, scan
 
 
 def consoles() -> tuple[Console, Console]:
@@ -30,8 +31,8 @@ def load(args: argparse.Namespace, err: Console) -> Inventory | None:
     """Scan the DIRs named on the command line; None (after saying why) if that fails."""
     try:
         return scan(args.dirs, args.persistent, args.job)
-    except CheckpointError as exc:
-        err.print(f"[red]error:[/] {exc}", soft_wrap=True)
+    except (CheckpointError, OSError) as exc:
+        line(err, "[red]error:[/]", str(exc))
         return None
 
 

@@ -13,7 +13,7 @@ import argparse
 from rich.table import Table
 
 from incluster.tools.ls import ranges
-from incluster.tools.scan import world_size
+from incluster.tools.models import world_size
 from incluster.tools.ui import check_copies, consoles, human, line, load
 
 
@@ -69,11 +69,11 @@ def run(args: argparse.Namespace) -> int:
     out.print(summary)
     for f in faults:
         line(out, "[red]FAULT:[/]", f)
-    for n in inv.notes:
-        line(out, "[dim]info:[/]", f"{n.path}: {n.what} (not a fault)")
+    for note in inv.notes:
+        line(out, "[dim]info:[/]", f"{note.path}: {note.what} (not a fault)")
     corrupt = sum(1 for c in copies if results[id(c)] is not None)
     verdict = "[red]FAILED[/]" if faults else "[green]OK[/]"
-    out.print(f"{verdict}: {len(copies)} copies checked, {corrupt} corrupt, {len(steps)} steps, {incomplete} incomplete, "
+    out.print(f"{verdict}: {len(copies)} copies checked, {corrupt} corrupt, {len(steps)} step{'s' if len(steps) != 1 else ''}, {incomplete} incomplete, "
               f"{len(faults)} fault{'s' if len(faults) != 1 else ''}, {len(inv.notes)} info")
     return 1 if faults else 0
 
