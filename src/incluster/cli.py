@@ -20,12 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.register(sub)
     showcase.register(sub)
 
-    import importlib.util
+    from incluster import tools
 
-    if importlib.util.find_spec("incluster.tools") is not None:
-        from incluster import tools
-
-        tools.register(sub)
+    tools.register(sub)
 
     from incluster.goodput import cli as goodput_cli
 

@@ -29,22 +29,7 @@ from incluster.format.sidecar import Sidecar, write_sidecar
 from incluster.staging.engine import make_views
 from incluster.staging.slots import sidecar_file, step_file
 
-RUNNER = "import argparse, sys, incluster.tools as t; p = argparse.ArgumentParser(prog='incluster'); " \
-         "t.register(p.add_subparsers()); a = p.parse_args(); sys.exit(a.func(a))"
-
-
-def _wired() -> bool:
-    """Whether ``python -m incluster ls`` exists yet (cli.py registers the tools)."""
-    from incluster.cli import build_parser
-
-    try:
-        build_parser().parse_args(["ls", "--help"])
-    except SystemExit as exc:
-        return exc.code == 0
-    return False
-
-
-CLI = [sys.executable, "-m", "incluster"] if _wired() else [sys.executable, "-c", RUNNER]
+CLI = [sys.executable, "-m", "incluster"]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
