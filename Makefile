@@ -26,7 +26,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 bench: $(STAMP)
-	$(PY) bench/save_overhead.py
+	PYTHON=$(PY) bench/run_all.sh bench-results
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every benchmark, one after another (never two at once: they share the 2 cores).
+# Usage: bench/run_all.sh [OUT_DIR]   (results as .txt and .json in OUT_DIR)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-bench-results}
+mkdir -p "$out"
+py=${PYTHON:-.venv/bin/python}
+run() { name=$1; shift; echo "== $name: $*"; "$py" "bench/$name.py" "$@" --json "$out/$name.json" 2>&1 | tee "$out/$name.txt"; }
+run save_overhead
+run training_slowdown
+run coordination_scale
+run recovery
+run persistent
