@@ -333,7 +333,7 @@ class Checkpointer:
         """After the first commit: allocate and map the remaining slots off the hot path."""
         try:
             with self.ring._cond:
-                missing = self.config.keep - len(self.ring.slots)
+                missing = self.ring.keep - len(self.ring.slots)  # keep (+1 with a persistent tier)
             for _ in range(missing):
                 slot = self.ring.acquire_new()
                 if slot is None:

@@ -68,9 +68,10 @@ class FsspecTier:
         tmp = f"{full}.tmp-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            for i in range(0, view.nbytes, CHUNK):
-                os.write(fd, view[i : i + CHUNK])
-                self._pace(t0, i + CHUNK)
+            done = 0
+            while done < view.nbytes:  # os.write may write less than asked
+                done += os.write(fd, view[done : done + CHUNK])
+                self._pace(t0, done)
             if atomic:
                 os.fsync(fd)
         except BaseException:
