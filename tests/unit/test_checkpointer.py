@@ -233,3 +233,21 @@ def test_goodput_events_are_recorded_when_a_run_dir_is_given(local_dir, tmp_path
         assert k in kinds, k
     durable = next(e for e in lines if e["kind"] == "durable")
     assert durable["step"] == 1 and durable["tier"] == "local" and durable["seconds"] > 0
+
+
+def test_many_tensors_over_both_copy_threads_land_exactly(local_dir):
+    """Over 8 MiB of small tensors: the copies are split over two threads."""
+    from incluster.tiers.local import ShardReader
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(16384 + i, generator=g) for i in range(200)}
+    state["half"] = torch.randn(1000, generator=g).half()
+    state["strided"] = torch.randn(64, 64, generator=g).t()  # not contiguous: the copy_ path
+    with _ckpt(local_dir) as ck:
+        for step in (1, 2):
+            for t in state.values():
+                t.add_(1)
+            ck.save(step, state).wait()
+            with ShardReader(ck.folder, step) as r:
+                for name, t in state.items():
+                    assert torch.equal(r.tensor(name), t), (step, name)

@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
               f"{', '.join(spares)}; RAM folders under {base}, persistent tier {persistent}")
     phases: list[dict[str, Any]] = []
     whatif: dict[str, Any] = {}
+    whatif_layout: list[str] = []
     try:
         layout = list(nodes)
         for attempt in range(args.failures + 1):
@@ -116,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
             con.print(f"[yellow]node {victim} lost (SIGKILL, RAM folder gone) at step {phase['progress']}[/]; "
                       f"spare {spare} takes its place, {layout[b]} and {layout[a]} swap positions: "
                       f"{' '.join(layout)}")
-            if attempt == 0:  # the persistent tier as it is at this failure
-                whatif = _whatif(con, common, base, layout, args, env, world)
+            if attempt == 0:  # the persistent tier as it is at this failure, for the what-if
+                shutil.copytree(persistent, os.path.join(persistent + "-at-failure"))
+                whatif_layout = list(layout)
+        if whatif_layout:  # measured after the run, so the run's own timeline stays true
+            whatif = _whatif(con, common, base, whatif_layout, args, env, world, persistent + "-at-failure")
         from incluster.demo.report import render
 
         render(con, phases, whatif, run_dir, args, persistent)
@@ -128,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             shutil.rmtree(base, ignore_errors=True)
             shutil.rmtree(persistent, ignore_errors=True)
+            shutil.rmtree(persistent + "-at-failure", ignore_errors=True)
 
 
 def _watch(con: Any, job: Job, folder: str, world: int, layout: list[str], kill_at: int | None,
@@ -171,15 +176,17 @@ def _watch(con: Any, job: Job, folder: str, world: int, layout: list[str], kill_
 
 
 def _whatif(con: Any, common: list[str], base: str, layout: list[str], args: argparse.Namespace,
-            env: dict[str, str], world: int) -> dict[str, Any]:
-    """Restore the final layout from the persistent tier alone, at the given bandwidth."""
+            env: dict[str, str], world: int, persistent: str) -> dict[str, Any]:
+    """Restore the post-failure layout from the persistent tier alone (as it was at the
+    failure), at the given bandwidth, into empty RAM folders."""
     whatif_base = os.path.join(base, "whatif")
     folder = os.path.join(whatif_base, "reports")
     os.makedirs(folder)
-    con.print(f"measuring the what-if: the same failure restored from the persistent tier alone, at "
-              f"{args.persistent_bandwidth:.0f} MB/s …")
+    con.print(f"measuring the what-if: the same failure restored from the persistent tier alone (as it "
+              f"was at the failure), at {args.persistent_bandwidth:.0f} MB/s …")
     cmd = common + ["--report", folder, "--restore-only", "--persistent-bandwidth", str(args.persistent_bandwidth)]
     cmd[cmd.index("--run-dir") + 1] = os.path.join(whatif_base, "events")
+    cmd[cmd.index("--persistent") + 1] = persistent
     job = launch(cmd, nodes=layout, ranks_per_node=args.ranks_per_node, base_dir=whatif_base,
                  env={**env, "INCLUSTER_JOB": "demo"})
     try:

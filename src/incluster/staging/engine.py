@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,7 @@ class Stager:
         self.allow_pickle = allow_pickle
         self.layouts = LayoutCache()
         self._cuda: Any = None
+        self._helper: ThreadPoolExecutor | None = None
 
     def run(self, job: StageJob) -> None:
         try:
@@ -75,17 +76,17 @@ class Stager:
             cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
             gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
             raws = job.slot.raw_views
+            small: list[tuple[Any, Any]] = []
             for i, (dst, src) in enumerate(zip(views, flat.tensors)):
                 if src.is_cuda:
                     gpu.append((dst, src))
                 elif src.is_contiguous() and src.dtype is dst.dtype and raws[i].nbytes <= SMALL_COPY:
-                    # One plain memcpy, no intra-op thread team per tensor: many small
-                    # tensors copy ~2x faster this way from a background thread.
-                    np.copyto(raws[i], src.detach().reshape(-1).view(torch.uint8).numpy())
+                    small.append((raws[i], src.detach().reshape(-1).view(torch.uint8).numpy()))
                 else:
                     cpu.append((dst, src))
             if gpu:
                 job.cuda_done = self._enqueue_cuda(job, gpu)
+            self._copy_small(small)
             for dst, src in cpu:
                 dst.copy_(src)
         finally:
@@ -93,6 +94,35 @@ class Stager:
         for ev in job.cuda_done:
             ev.synchronize()
         flat.tensors = []  # the bytes are in the slot now; let go of the live tensors
+
+    def _copy_small(self, pairs: list[tuple[Any, Any]]) -> None:
+        """Plain memcpys (numpy releases the GIL), split over two threads by bytes.
+
+        One memcpy per tensor, no intra-op thread team started per tensor: torch's copy_
+        made 2,000 small copies ~2x slower from a background thread. Two threads reach
+        the bandwidth a single large multi-threaded copy gets."""
+        if not pairs:
+            return
+        total = sum(d.nbytes for d, _ in pairs)
+        half, acc, cut = total // 2, 0, len(pairs)
+        for i, (d, _) in enumerate(pairs):
+            acc += d.nbytes
+            if acc >= half:
+                cut = i + 1
+                break
+
+        def run(part: list[tuple[Any, Any]]) -> None:
+            for d, src in part:
+                np.copyto(d, src)
+
+        if total < (8 << 20) or cut >= len(pairs):
+            run(pairs)
+            return
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="incluster-copy")
+        other = self._helper.submit(run, pairs[cut:])
+        run(pairs[:cut])
+        other.result()
 
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
         if self.layouts.misses == 1 and self.layouts.hits == 0:
