@@ -152,10 +152,13 @@ class _Flattener:
         spec = TensorSpec(name, dtype_name(t.dtype, name), shape)
         self.flat.tensors.append(t)
         self.flat.specs.append(spec)
-        self.flat.nbytes += spec.nbytes
+        self.flat.nbytes += t.nbytes
         return name
 
     def walk(self, obj: Any, path: str) -> Any:
+        cls = type(obj)
+        if cls is torch.Tensor or cls is torch.nn.Parameter:  # the common case, first
+            return {"T": self.add_tensor(obj, path)}
         if isinstance(obj, torch.Tensor):
             if dtensor.is_dtensor(obj):
                 name = self.add_tensor(dtensor.local_of(obj), path)

@@ -49,6 +49,10 @@ class ProcessWriter:
         self.gen = params.gen
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
+        # The writer never needs intra-op parallelism; an OpenMP pool would spin on the
+        # cores the trainer is using after every small torch op the writer makes.
+        env["OMP_NUM_THREADS"] = "1"
+        env["MKL_NUM_THREADS"] = "1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "incluster.writer.worker", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],

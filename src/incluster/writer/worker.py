@@ -113,6 +113,9 @@ def _replicate(service: object, step: int, own: object) -> None:
 
 
 def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # see ProcessWriter: no intra-op pool spinning beside the trainer
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which drains us
     conn = Connection(int(sys.argv[1]))
