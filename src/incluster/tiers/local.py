@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 import re
 from typing import Any
 
@@ -48,7 +49,9 @@ def committed_steps(folder: str) -> list[int]:
 
 
 class ShardReader:
-    """A committed shard, verified, mapped copy-on-write; ``tensor(name)`` views into it."""
+    """A committed shard, verified, mapped read-only; ``tensor(name)`` views into it.
+
+    WARNING: the views are read-only memory: copy from them, never into them."""
 
     def __init__(self, folder: str, step: int, *, verify_checksum: bool = True) -> None:
         self.sidecar: Sidecar = read_sidecar(os.path.join(folder, sidecar_file(step)))
@@ -68,7 +71,12 @@ class ShardReader:
                     f"{self.path}: {size} bytes on disk but the sidecar says {self.sidecar.checksum.size} "
                     f"(truncated or overwritten)"
                 )
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if size < 8:
+                raise CorruptCheckpointError(f"{self.path}: {size} bytes is too short to be a shard")
+            # Read-only and populated in one pass (not one fault per page). Never written:
+            # a private writable mapping would copy every page when populated.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         try:
@@ -79,7 +87,9 @@ class ShardReader:
         except BaseException:
             self.close()
             raise
-        self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": by design
+            self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     @classmethod
     def over(cls, path: str, sidecar: Sidecar, buf: torch.Tensor) -> "ShardReader":
