@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         from incluster.demo.report import render
 
         render(con, phases, whatif, run_dir, args, persistent)
-        return 0 if all(p.get("bitwise", True) for p in phases[1:]) else 1
+        ok = all(p.get("bitwise", True) and p.get("loss_same", True) for p in phases[1:])
+        return 0 if ok else 1
     finally:
         if args.keep_files:
             con.print(f"files kept: {base} (RAM folders) and {persistent}")

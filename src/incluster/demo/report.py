@@ -59,7 +59,10 @@ def render(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], run_d
             l2 = after["reports"].get(0, {}).get("losses", {}).get(nxt)
             if l1 is not None and l2 is not None:
                 verdict = "identical" if l1 == l2 else "DIFFERENT"
+                after["loss_same"] = l1 == l2
                 con.print(f"  loss at step {nxt}: {l1} before the failure, {l2} after recovery ({verdict})")
+            else:
+                con.print(f"  the failure came right after step {step}'s checkpoint: no step is trained twice")
         con.print(f"  restored state checksum matches the saved one on every rank: "
                   f"{'[green]yes[/]' if all_same else '[red]NO[/]'}")
     _whatif(con, phases, whatif, args, step_s)
