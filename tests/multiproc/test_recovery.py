@@ -90,3 +90,18 @@ def test_every_nodes_ram_wiped_restores_from_the_persistent_tier(local_dir, tmp_
     assert codes == [0, 0], [job.output(r) for r in range(2)]
     _assert_restored(second, first, 2)
     assert all(res["restore"]["source"] == "persistent" for res in second.values())
+
+
+def test_copies_of_abandoned_steps_are_dropped_everywhere_after_a_restore(local_dir):
+    """Steps newer than the restored one belong to an abandoned timeline: no node may keep
+    any copy of them (a later restore could mix it with the new timeline's step)."""
+    first = _first(local_dir)  # steps 2 and 4 everywhere
+    shutil.rmtree(os.path.join(local_dir, "B"))
+    # make step 4 incomplete: rank 1's only other copy (its replica on C) is lost too
+    os.unlink(os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.json"))
+    codes, second, job = _run(local_dir, 1, nodes=["A", "E", "C", "D"], env=THREAD, steps=6)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(second, first, 2)
+    # steps 4 and 6 of the new timeline are saved and complete; none of the old step 4 is left
+    for r in range(4):
+        assert second[r]["errors"] == {}, second[r]["errors"]

@@ -123,6 +123,7 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
             report.seconds = time.perf_counter() - t0
             return report
         ctx.ring.reset_to(mine.step)
+        _abandon_newer(ctx.local_dir, ctx.job, mine.step)
         if mine.persistent is not None:
             problem = _download(ctx, mine.step, mine.persistent)
             if problem is not None:
@@ -171,6 +172,29 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
         report.seconds = time.perf_counter() - t0
         return report
     raise CheckpointError(f"restore did not settle after {MAX_ROUNDS} rounds of re-planning; see the log for bad copies")
+
+
+def _abandon_newer(local_dir: str, job: str, step: int) -> None:
+    """Training continues from ``step``: every copy of a newer step on this node (own
+    shards and replicas alike) belongs to an abandoned timeline. Un-commit them all, so
+    a later restore can never mix an old-timeline copy with a new one of the same step,
+    and replication never declines a new step because a stale copy has its name."""
+    base = os.path.join(local_dir, job)
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        return
+    for n in names:
+        if not (n.startswith("rank-") and n[5:].isdigit()):
+            continue
+        folder = os.path.join(base, n)
+        for newer in committed_steps(folder):
+            if newer > step:
+                for name in (sidecar_file(newer), step_file(newer)):  # the marker first
+                    try:
+                        os.unlink(os.path.join(folder, name))
+                    except FileNotFoundError:
+                        pass
 
 
 def _reports_for_node() -> bool:
