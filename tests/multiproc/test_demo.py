@@ -21,7 +21,9 @@ def test_demo_recovers_from_peers_bitwise(tmp_path):
     text = out.stdout.replace("\n", " ")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "spare D takes its place" in text
-    assert "peer RAM" in text
+    # from the other nodes' RAM, or from the persistent tier when its newest step is newer
+    # (an upload can complete before the same step's replicas do)
+    assert "peer RAM" in text or "persistent tier:" in text
     assert "matches the saved one on every rank: yes" in text
     assert "(identical)" in text or "no step is trained twice" in text
     assert "DIFFERENT" not in text and "Same failure, persistent tier only" in text
