@@ -20,22 +20,17 @@ derives itself (owner rank and step), never at a path a peer names.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from incluster.commit import Coordinator, StoreAddress
-from incluster.errors import CorruptCheckpointError
-from incluster.format.checksum import verify
-from incluster.format.sidecar import Sidecar, write_sidecar
-from incluster.staging.slots import SlotRing, sidecar_file, step_file
+from incluster.staging.slots import SlotRing
 from incluster.tiers.local import rank_folder
+from incluster.writer.local_commit import commit_received, parse_received_sidecar
 
 log = logging.getLogger("incluster")
 _MAX_SIDECAR = 256 * 1024 * 1024
@@ -173,18 +168,8 @@ class Replicator:
 
     def _commit_replica(self, owner: int, step: int, ring: SlotRing, slot: Any, raw: bytes, size: int) -> None:
         where = f"replica of rank {owner} step {step} (received by rank {self.rank})"
-        try:
-            sc = Sidecar.from_json(json.loads(raw), where)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{where}: sidecar is not valid JSON ({exc})") from None
-        if sc.rank != owner or sc.step != step or sc.job != self.job or sc.checksum.size != size:
-            raise CorruptCheckpointError(f"{where}: the sidecar describes rank {sc.rank} step {sc.step} of job {sc.job!r}")
-        verify(slot.mm if slot.mm is not None else b"", sc.checksum, where)
-        final = os.path.join(ring.folder, step_file(step))
-        os.replace(slot.path, final)
-        replica = dataclasses.replace(sc, shard=step_file(step), extra={**sc.extra, "replica_on": self.node})
-        write_sidecar(os.path.join(ring.folder, sidecar_file(step)), replica)
-        ring.mark_committed(slot, step, final)
+        sc = parse_received_sidecar(raw, where, rank=owner, step=step, job=self.job, size=size)
+        commit_received(ring, slot, sc, where, replica_on=self.node)
 
     def set_global(self, step: int) -> None:
         """``step`` committed everywhere: replica slots holding older steps may be reused."""

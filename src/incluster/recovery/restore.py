@@ -264,38 +264,31 @@ def _persistent_plan(ctx: Context, in_cluster: int | None, exclude: set[tuple[st
 
 def _download(ctx: Context, step: int, record: dict) -> str | None:  # type: ignore[type-arg]
     """Fetch my shard of ``step`` from tier 2 into one of my slots, verify, commit (heal)."""
-    import dataclasses
-    import json
-
-    from incluster.format.checksum import Checksum, verify
-    from incluster.format.sidecar import Sidecar, write_sidecar
+    from incluster.format.checksum import Checksum
     from incluster.persist import step_dir
-    from incluster.staging.slots import step_file
+    from incluster.writer.local_commit import commit_received, parse_received_sidecar
 
     base = f"{step_dir(ctx.job, step)}/rank-{ctx.rank:05d}"
     where = f"rank {ctx.rank}'s shard of persistent step {step}"
     try:
-        raw = ctx.persistent.read(base + ".json")
-        sc = Sidecar.from_json(json.loads(raw), where)
         expect = Checksum.from_json(record["checksum"], where)
-        if sc.rank != ctx.rank or sc.step != step or sc.checksum != expect or expect.size != int(record["size"]):
+        sc = parse_received_sidecar(
+            ctx.persistent.read(base + ".json"), where, rank=ctx.rank, step=step, job=ctx.job, size=int(record["size"])
+        )
+        if sc.checksum != expect:
             return f"{where}: sidecar and manifest disagree"
         slot = ctx.ring.acquire(step, ctx.timeout_s)
         try:
             ctx.ring.prepare(slot, expect.size)
-            got = ctx.persistent.read(base + ".safetensors", into=memoryview(slot.mm) if slot.mm is not None else memoryview(bytearray()))
+            into = memoryview(slot.mm) if slot.mm is not None else memoryview(bytearray())
+            got = ctx.persistent.read(base + ".safetensors", into=into)
             if got != expect.size:
-                return f"{where}: {got} bytes downloaded, the manifest says {expect.size}"
-            verify(slot.mm if slot.mm is not None else b"", expect, where)
-            final = os.path.join(ctx.ring.folder, step_file(step))
-            os.replace(slot.path, final)
-            healed = dataclasses.replace(sc, shard=step_file(step), node=ctx.node, extra={**sc.extra, "restored_from": "persistent"})
-            write_sidecar(os.path.join(ctx.ring.folder, sidecar_file(step)), healed)
-            ctx.ring.mark_committed(slot, step, final)
+                raise CorruptCheckpointError(f"{where}: {got} bytes downloaded, the manifest says {expect.size}")
+            commit_received(ctx.ring, slot, sc, where, node=ctx.node, restored_from="persistent")
         except BaseException:
             ctx.ring.release(slot)
             raise
-    except (OSError, ValueError, CorruptCheckpointError) as exc:
+    except (OSError, ValueError, KeyError, CorruptCheckpointError) as exc:
         return f"{where}: {exc}"
     return None
 

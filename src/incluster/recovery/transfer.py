@@ -11,9 +11,6 @@ the sender stages file -> GPU, the receiver GPU -> its slot file.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from incluster.errors import CorruptCheckpointError
-from incluster.format.checksum import verify
-from incluster.format.sidecar import Sidecar, write_sidecar
-from incluster.staging.slots import SlotRing, sidecar_file, step_file
+from incluster.format.sidecar import Sidecar
+from incluster.staging.slots import SlotRing
 from incluster.tiers.local import ShardReader
+from incluster.writer.local_commit import commit_received, parse_received_sidecar
 
 _MAX_SIDECAR = 256 * 1024 * 1024
 
@@ -112,16 +109,5 @@ def exchange(
 
 def _commit(rank: int, step: int, ring: SlotRing, slot: Any, raw: bytes, size: int, *, job: str, node: str, source: int) -> Sidecar:
     where = f"rank {rank}'s shard of step {step} received from rank {source}"
-    try:
-        sc = Sidecar.from_json(json.loads(raw), where)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{where}: sidecar is not valid JSON ({exc})") from None
-    if sc.rank != rank or sc.step != step or sc.job != job or sc.checksum.size != size:
-        raise CorruptCheckpointError(f"{where}: it describes rank {sc.rank} step {sc.step} of job {sc.job!r}")
-    verify(slot.mm if slot.mm is not None else b"", sc.checksum, where)
-    final = os.path.join(ring.folder, step_file(step))
-    os.replace(slot.path, final)
-    healed = dataclasses.replace(sc, shard=step_file(step), node=node, extra={**sc.extra, "restored_from_rank": source})
-    write_sidecar(os.path.join(ring.folder, sidecar_file(step)), healed)
-    ring.mark_committed(slot, step, final)
-    return healed
+    sc = parse_received_sidecar(raw, where, rank=rank, step=step, job=job, size=size)
+    return commit_received(ring, slot, sc, where, node=node, restored_from_rank=source)

@@ -7,12 +7,15 @@ Pure file operations on a mapped buffer: usable from a thread or a writer proces
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from incluster.format.checksum import DEFAULT_CHUNK, compute
+from incluster.errors import CorruptCheckpointError
+from incluster.format.checksum import DEFAULT_CHUNK, compute, verify
 from incluster.format.sidecar import Sidecar, write_sidecar
 from incluster.staging.slots import sidecar_file, step_file
 from incluster.testing import faults
@@ -62,3 +65,33 @@ def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:
     )
     write_sidecar(os.path.join(req.folder, sidecar_file(req.step)), sidecar, fsync=req.fsync)
     return final, sidecar
+
+
+def parse_received_sidecar(raw: bytes, where: str, *, rank: int, step: int, job: str, size: int) -> Sidecar:
+    """A sidecar that came from a peer or a tier: valid, and for exactly what we expect."""
+    try:
+        sc = Sidecar.from_json(json.loads(raw), where)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: sidecar is not valid JSON ({exc})") from None
+    if sc.rank != rank or sc.step != step or sc.job != job or sc.checksum.size != size:
+        raise CorruptCheckpointError(
+            f"{where}: the sidecar describes rank {sc.rank} step {sc.step} of job {sc.job!r} "
+            f"({sc.checksum.size} bytes)"
+        )
+    return sc
+
+
+def commit_received(ring: Any, slot: Any, sc: Sidecar, where: str, *, node: str | None = None, **extra: Any) -> Sidecar:
+    """Commit a slot filled from elsewhere (a replica, a restore transfer, a download):
+    every checksum verified first, then rename and sidecar, exactly like a local save.
+    The paths are derived here from the step, never taken from the sender."""
+    verify(slot.mm if slot.mm is not None else b"", sc.checksum, where)
+    final = os.path.join(ring.folder, step_file(sc.step))
+    os.replace(slot.path, final)
+    changes: dict[str, Any] = {"shard": step_file(sc.step), "extra": {**sc.extra, **extra}}
+    if node is not None:
+        changes["node"] = node
+    committed = dataclasses.replace(sc, **changes)
+    write_sidecar(os.path.join(ring.folder, sidecar_file(sc.step)), committed)
+    ring.mark_committed(slot, sc.step, final)
+    return committed
