@@ -54,9 +54,6 @@ class Coordinator(Protocol):
     def wait_outcome(self, step: int, timeout: float) -> None:
         """Return once ``step`` is globally committed; CommitError/PeerTimeoutError else."""
 
-    def latest(self) -> int | None:
-        """The newest globally committed step known to the store."""
-
     def persisted(self, step: int, info: str) -> bool:
         """Record this rank's upload of ``step`` (``info``: its size and checksum, JSON);
         True for the rank that completes the count: it writes the manifest."""
@@ -75,22 +72,17 @@ class SoloCoordinator:
 
     def __init__(self) -> None:
         self._outcomes: dict[int, str] = {}
-        self._latest: int | None = None
         self._infos: dict[int, str] = {}
         self._persist: dict[int, str] = {}
 
     def committed(self, step: int) -> None:
         self._outcomes[step] = Outcome.COMMITTED.value
-        self._latest = step if self._latest is None else max(self._latest, step)
 
     def failed(self, step: int, reason: str) -> None:
         self._outcomes.setdefault(step, f"{Outcome.FAILED.value}:0:{reason}")
 
     def wait_outcome(self, step: int, timeout: float) -> None:
         _raise_for(step, self._outcomes.get(step, Outcome.COMMITTED.value))
-
-    def latest(self) -> int | None:
-        return self._latest
 
     def persisted(self, step: int, info: str) -> bool:
         self._infos = {step: info}
@@ -193,12 +185,6 @@ class StoreCoordinator:
             return self.store.get(key).decode()
         except Exception as exc:  # noqa: BLE001 - a timeout or a lost store: not persisted
             return f"fail:?:no outcome within {timeout:.0f} s ({str(exc)[:80]})"
-
-    def latest(self) -> int | None:
-        key = self._k("latest")
-        if not self.store.check([key]):
-            return None
-        return int(self.store.get(key).decode())
 
     def close(self) -> None:
         self.store = None  # type: ignore[assignment]

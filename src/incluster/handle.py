@@ -31,22 +31,19 @@ class SaveHandle:
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until staged; raises the staging error if there was one."""
-        try:
-            self.staged.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException:
-            self.reported = True
-            raise
+        self._result(self.staged, timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until durable; raises the save's error if there was one."""
+        self._result(self.durable, timeout)
+
+    def _result(self, fut: "Future[None]", timeout: float | None) -> None:
         try:
-            self.durable.result(timeout)
+            fut.result(timeout)
         except TimeoutError:
             raise
         except BaseException:
-            self.reported = True
+            self.reported = True  # the caller has it: the Checkpointer won't raise it again
             raise
 
     def done(self) -> bool:

@@ -293,10 +293,6 @@ def _download(ctx: Context, step: int, record: dict) -> str | None:  # type: ign
     return None
 
 
-def _open(folder: str, step: int) -> ShardReader:
-    return ShardReader(folder, step)
-
-
 def _verify_copies(
     ctx: Context, mine: RankPlan, step: int, report: RestoreReport
 ) -> tuple[list[tuple[str, int, int]], list[Outgoing], ShardReader | None]:
@@ -309,7 +305,7 @@ def _verify_copies(
     for owner in needed:
         folder = rank_folder(ctx.local_dir, ctx.job, owner)
         try:
-            reader = _open(folder, step)
+            reader = ShardReader(folder, step)
             sc = reader.sidecar
             if sc.rank != owner or sc.job != ctx.job:
                 reader.close()
