@@ -151,7 +151,7 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
             continue
         problem, received = None, None
         try:
-            faults.check("load", ctx.rank, mine.step)
+            faults.check("load-transfer", ctx.rank, mine.step)
             if dist is not None:
                 problem, received = exchange(
                     ctx.rank, mine.step, mine.source, outgoing, ctx.ring,

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from incluster.errors import CheckpointError, PeerTimeoutError
+from incluster.testing import faults
 
 STAGING_PREFIX = ".staging-"
 _SHARD = re.compile(r"^step-(\d{12,})\.safetensors$")
@@ -94,6 +95,8 @@ class SlotRing:
             raise ValueError("keep must be at least 1")
         self.folder = folder
         self.keep = keep
+        tail = os.path.basename(os.path.normpath(folder))
+        self.owner = int(tail[5:]) if tail.startswith("rank-") and tail[5:].isdigit() else -1
         self.slots: list[Slot] = []
         self.newest_committed: int | None = None  # newest step committed on this rank
         self.newest_global: int | None = None  # newest step committed on every rank
@@ -241,6 +244,7 @@ class SlotRing:
             os.ftruncate(slot.fd, size)
         elif old < size:
             try:
+                faults.check("allocate", self.owner, slot.step)
                 os.posix_fallocate(slot.fd, 0, size)
             except OSError as exc:
                 raise CheckpointError(

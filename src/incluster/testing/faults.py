@@ -8,14 +8,19 @@ processes the library starts itself (the writer process) and processes a test la
 Phases: ``stage`` (trainer, staging thread, before copying), ``commit`` (writer, before
 the checksum), ``sidecar`` (writer, after the rename, before the commit record),
 ``replicate`` (writer, before exchanging replicas), ``upload`` (writer, after the
-shard's upload, before its sidecar and the manifest), ``load`` (before a restore copies
-bytes). Actions: ``raise`` (an
-:class:`InjectedFault`), ``kill`` (SIGKILL of the process at that instant), ``hang``
-(touch ``<marker_dir>/fault-<phase>-r<rank>-s<step>`` then sleep, for an outside kill).
+shard's upload, before its sidecar and the manifest), ``load-transfer`` (every rank,
+after the copies are verified, before a restore moves or loads bytes; ``load`` is the
+same), ``allocate`` (creating or growing a slot file, at the ``fallocate`` call).
+
+Actions: ``raise`` (an :class:`InjectedFault`), ``enospc`` (an ``OSError`` with
+``ENOSPC``, as a full RAM disk gives), ``kill`` (SIGKILL of the process at that instant),
+``hang`` (touch ``<marker_dir>/fault-<phase>-r<rank>-s<step>`` then sleep, for an outside
+kill: a peer that stops answering).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -24,8 +29,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENV = "INCLUSTER_FAULTS"
-PHASES = ("stage", "commit", "sidecar", "replicate", "upload", "load")
-ACTIONS = ("raise", "kill", "hang")
+PHASES = ("stage", "commit", "sidecar", "replicate", "upload", "load-transfer", "load", "allocate")
+_ALIASES = {"load": "load-transfer"}
+ACTIONS = ("raise", "enospc", "kill", "hang")
 
 
 class InjectedFault(OSError):
@@ -50,7 +56,7 @@ class Fault:
 
     def matches(self, phase: str, rank: int, step: int | None) -> bool:
         return (
-            self.phase == phase
+            _ALIASES.get(self.phase, self.phase) == _ALIASES.get(phase, phase)
             and (self.rank is None or self.rank == rank)
             and (self.step is None or self.step == step)
         )
@@ -102,4 +108,6 @@ def _fire(f: Fault, rank: int, step: int | None) -> Any:
         open(os.path.join(str(f.marker_dir), f"fault-{f.phase}-r{rank}-s{step}"), "w").close()
         while True:
             time.sleep(3600)
-    raise InjectedFault(5, f"injected fault at {f.phase} (rank {rank}, step {step})")
+    if f.action == "enospc":
+        raise InjectedFault(errno.ENOSPC, f"No space left on device (injected at {f.phase}, rank {rank}, step {step})")
+    raise InjectedFault(errno.EIO, f"injected fault at {f.phase} (rank {rank}, step {step})")
