@@ -139,17 +139,27 @@ class Checkpointer:
     def _persistent_tier(self) -> Any:
         if not self.config.persistent:
             return None
-        from incluster.tiers.persistent import FsspecTier
+        from incluster.tiers.persistent import open_tier
 
-        return FsspecTier(self.config.persistent, self.config.persistent_options)
+        return open_tier(self.config.persistent, self.config.persistent_options)
 
     def _persist_params(self) -> PersistParams | None:
         c = self.config
         if not c.persistent:
             return None
-        from incluster.tiers.persistent import FsspecTier
+        from incluster.tiers.persistent import open_tier
 
-        FsspecTier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
+        open_tier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
+        if c.writer == "process" and not isinstance(c.persistent, str):
+            import pickle
+
+            try:
+                pickle.dumps(c.persistent)
+            except Exception as exc:  # noqa: BLE001 - any pickling failure means the same
+                raise ValueError(
+                    f"persistent={c.persistent!r} must be picklable to reach the writer process ({exc}); "
+                    f"pass a path or URL, or use writer='thread'"
+                ) from None
         return PersistParams(
             url=c.persistent, options=dict(c.persistent_options or {}), job=c.job, rank=self.rank,
             world_size=self.world_size, every=c.persistent_every, interval_s=c.persistent_interval_s,

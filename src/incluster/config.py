@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from incluster.tiers.local import check_job
 
@@ -33,8 +34,9 @@ class Config:
     """msync/fsync shards and sidecars (for a local_dir on a real disk; tmpfs needs none)."""
     run_dir: str | None = None
     """Folder for goodput event logs (``INCLUSTER_RUN_DIR``); None records nothing."""
-    persistent: str | None = None
-    """Tier 2: a path or fsspec URL (s3://bucket/run, gs://..., /mnt/ckpt); None = off."""
+    persistent: Any = None
+    """Tier 2: a path or fsspec URL (s3://bucket/run, gs://..., /mnt/ckpt), or a Tier
+    object (picklable when writer="process"); None = off."""
     persistent_every: int = 10
     """Every Nth local checkpoint also goes to the persistent tier."""
     persistent_interval_s: float | None = None
@@ -82,7 +84,7 @@ def resolve(
     fsync: bool = False,
     run_dir: str | os.PathLike[str] | None = None,
     writer: str = "process",
-    persistent: str | os.PathLike[str] | None = None,
+    persistent: Any = None,
     persistent_every: int = 10,
     persistent_interval_s: float | None = None,
     persistent_keep: int = 2,
@@ -110,8 +112,13 @@ def resolve(
     )
 
 
-def _persistent_url(value: str | os.PathLike[str] | None) -> str | None:
-    """A plain path becomes absolute (every rank and the writer agree on it); URLs stay."""
+def _persistent_url(value: Any) -> Any:
+    """A plain path becomes absolute (every rank and the writer agree on it); URLs and
+    Tier objects stay as they are."""
+    from incluster.tiers.base import Tier
+
+    if isinstance(value, Tier):
+        return value
     if not value:
         return None
     text = os.fspath(value)

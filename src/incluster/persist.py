@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from incluster.commit import Coordinator
 from incluster.testing import faults
-from incluster.tiers.persistent import FsspecTier
+from incluster.tiers.persistent import open_tier
 
 log = logging.getLogger("incluster")
 MANIFEST = "COMMITTED.json"
@@ -40,7 +40,7 @@ def step_dir(job: str, step: int) -> str:
 class PersistParams:
     """Picklable: crosses into the writer process."""
 
-    url: str
+    url: Any  # a path or URL, or a picklable Tier object
     options: dict[str, Any] = field(default_factory=dict)
     job: str
     rank: int
@@ -52,13 +52,18 @@ class PersistParams:
     timeout_s: float = 600.0
 
 
-def manifested_steps(tier: FsspecTier, job: str) -> list[int]:
-    """Steps with a manifest, newest first."""
+def manifested_steps(tier: Any, job: str) -> list[int]:
+    """Steps with a manifest, newest first. An unreachable tier has none (and says so):
+    a restore then goes on with what the cluster's RAM holds."""
     out = []
-    for name in tier.list(job):
-        m = _STEP.match(name)
-        if m and MANIFEST in tier.list(f"{job}/{name}"):
-            out.append(int(m.group(1)))
+    try:
+        for name in tier.list(job):
+            m = _STEP.match(name)
+            if m and MANIFEST in tier.list(f"{job}/{name}"):
+                out.append(int(m.group(1)))
+    except OSError as exc:
+        log.warning("incluster: the persistent tier %r cannot be listed (%s); its steps are not considered", tier, exc)
+        return []
     return sorted(out, reverse=True)
 
 
@@ -66,7 +71,7 @@ class Uploader:
     def __init__(self, params: PersistParams, coord: Coordinator) -> None:
         self.p = params
         self.coord = coord
-        self.tier = FsspecTier(params.url, params.options)
+        self.tier = open_tier(params.url, params.options)
         self._busy = threading.Lock()
         self._saves = 0
         self._last_t = 0.0

@@ -20,6 +20,16 @@ CHUNK = 16 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
+def open_tier(spec: Any, options: dict[str, Any] | None = None) -> Any:
+    """The tier for ``persistent=``: a :class:`~incluster.tiers.base.Tier` object as given
+    (e.g. a test's ``FaultyTier``), or an :class:`FsspecTier` over a path or URL."""
+    from incluster.tiers.base import Tier
+
+    if isinstance(spec, Tier):
+        return spec
+    return FsspecTier(str(spec), options)
+
+
 class FsspecTier:
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         import fsspec
@@ -126,3 +136,6 @@ class FsspecTier:
 
     def close(self) -> None:
         pass
+
+    def __repr__(self) -> str:
+        return f"FsspecTier({self.url!r})"
