@@ -62,6 +62,7 @@ class Checkpointer:
         self.rank, self.world_size = _rank_world()
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
+        _refuse_links(os.path.dirname(self.folder), self.folder)
         # With a persistent tier the ring has one more slot: a slow upload never holds up saves.
         slots = self.config.keep + (1 if self.config.persistent else 0)
         self.ring = SlotRing(self.folder, slots, on_unmap=self._on_unmap)
@@ -466,3 +467,13 @@ class Checkpointer:
             from incluster.staging import cuda
 
             cuda.unregister(slot)
+
+
+def _refuse_links(*folders: str) -> None:
+    """The job's folders are never symbolic links: nothing is read or written elsewhere."""
+    for f in folders:
+        if os.path.islink(f):
+            raise CheckpointError(
+                f"{f} is a symbolic link (to {os.readlink(f)!r}); incluster never follows links in its "
+                f"checkpoint folders - remove the link, or point local_dir at the real folder"
+            )

@@ -62,7 +62,7 @@ def parse_header(prefix: bytes, file_size: int, where: str = "shard") -> ShardHe
         raise _fail(where, "header is truncated")
     try:
         table = json.loads(prefix[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _fail(where, f"header is not valid UTF-8 JSON ({exc})") from None
     if not isinstance(table, dict):
         raise _fail(where, "header JSON is not an object")

@@ -16,6 +16,7 @@ from typing import Any
 
 from incluster.errors import CorruptCheckpointError
 from incluster.format.checksum import Checksum
+from incluster.format.tree import check_tree
 
 SIDECAR_FORMAT = "incluster-sidecar"
 SIDECAR_VERSION = 1
@@ -86,6 +87,7 @@ class Sidecar:
             raise CorruptCheckpointError(f"{where}: sidecar has fields of the wrong type")
         if os.sep in sc.shard or sc.shard.startswith(".") or (os.altsep and os.altsep in sc.shard):
             raise CorruptCheckpointError(f"{where}: sidecar names a shard outside its folder ({sc.shard!r})")
+        check_tree(sc.tree, where)
         return sc
 
 
@@ -121,7 +123,7 @@ def read_sidecar(path: str) -> Sidecar:
         os.close(fd)
     try:
         obj = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: sidecar is not valid JSON ({exc})") from None
     return Sidecar.from_json(obj, path)
 

@@ -66,7 +66,10 @@ class FsspecTier:
 
     def write(self, path: str, data: memoryview, *, atomic: bool = True) -> None:
         full = self._p(path)
-        self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
+        if self.posix:
+            _private_dirs(posixpath.dirname(full))
+        else:
+            self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
         view = memoryview(data).cast("B")
         t0 = time.monotonic()
         if not self.posix:
@@ -139,3 +142,16 @@ class FsspecTier:
 
     def __repr__(self) -> str:
         return f"FsspecTier({self.url!r})"
+
+
+def _private_dirs(path: str) -> None:
+    """mkdir -p where every folder created is 0700 (os.makedirs sets only the last one)."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass

@@ -63,7 +63,7 @@ def _scan_remote_step(tier: FsspecTier, job: str, step: int, d: str, inv: Invent
         listed = {int(r["rank"]): r["checksum"] for r in manifest["ranks"]}
         if manifest.get("job") != job or manifest.get("step") != step:
             raise ValueError(f"it describes job {manifest.get('job')!r} step {manifest.get('step')!r}")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         inv.problems.append((job, step, f"{where}: unreadable manifest ({exc}); this persistent step cannot be trusted"))
         return
     present = set()
@@ -79,7 +79,7 @@ def _scan_remote_step(tier: FsspecTier, job: str, step: int, d: str, inv: Invent
             if (sc.job, sc.rank, sc.step) != (job, rank, step):
                 raise CorruptCheckpointError(f"{copy.where}: sidecar describes job {sc.job!r} rank {sc.rank} step {sc.step}")
             copy.sidecar = sc
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             copy.error = f"{copy.where}: sidecar is not valid JSON ({exc})"
         except CorruptCheckpointError as exc:
             copy.error = str(exc)

@@ -71,7 +71,7 @@ def parse_received_sidecar(raw: bytes, where: str, *, rank: int, step: int, job:
     """A sidecar that came from a peer or a tier: valid, and for exactly what we expect."""
     try:
         sc = Sidecar.from_json(json.loads(raw), where)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: sidecar is not valid JSON ({exc})") from None
     if sc.rank != rank or sc.step != step or sc.job != job or sc.checksum.size != size:
         raise CorruptCheckpointError(
