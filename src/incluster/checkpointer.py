@@ -11,6 +11,7 @@ than one rank exists (every rank must call them); save() never is.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -317,9 +318,12 @@ class Checkpointer:
     ) -> None:
         if not published:  # no rank may wait for a step that failed here
             self._writer.fail(job.step, f"{phase}: {type(exc).__name__}: {exc}")
-        err = exc if isinstance(exc, CheckpointError) else CommitError(
+        full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
+        hint = (f"; the RAM disk holding {self.folder} is full: free space there, lower keep or "
+                f"replicas, or point local_dir elsewhere") if full and "free space" not in str(exc) else ""
+        err = exc if isinstance(exc, CheckpointError) and not hint else CommitError(
             f"saving step {job.step} failed during {phase}: {type(exc).__name__}: {exc}; "
-            f"the previous committed step is intact"
+            f"the previous committed step is intact{hint}"
         )
         if err is not exc:
             err.__cause__ = exc

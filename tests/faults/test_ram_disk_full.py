@@ -1,0 +1,54 @@
+"""A full RAM disk: the save fails with an error that names the fix, training goes on,
+nothing committed is lost. On a real, small tmpfs when this machine lets a test mount one
+(a private mount namespace), else with ENOSPC injected at the allocation call."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from incluster.testing import FaultInjector
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "ram_disk_full_script.py")
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["fill", "inject"])
+def test_ram_disk_full(local_dir, tmp_path, mode):
+    result = tmp_path / "result.json"
+    folder = os.path.join(local_dir, "ram")
+    os.makedirs(folder)
+    if mode == "fill":
+        if not _can_mount_tmpfs():
+            pytest.skip("this machine does not let a test mount a small tmpfs; the 'inject' case stands in")
+        cmd = ["unshare", "-rm", "sh", "-c",
+               f'mount -t tmpfs -o size=4m,mode=0700 tmpfs "$1" && exec "$2" "$3" "$1" "$4" fill',
+               "sh", folder, sys.executable, SCRIPT, str(result)]
+        env = dict(os.environ)
+    else:
+        cmd = [sys.executable, SCRIPT, folder, str(result), "inject"]
+        env = {**os.environ, **FaultInjector().fail_at(phase="allocate", step=2, action="enospc").env()}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(result.read_text())
+    if mode == "fill":
+        assert out["filled"] == 28  # ENOSPC: the disk really was full
+    kind, msg = out["step2"]
+    assert kind in ("CheckpointError", "CommitError") and "No space left on device" in msg and "free space" in msg, msg
+    assert out["loaded"] == 1 and out["bitwise"] is True
+    if mode == "fill":  # still full: even a save that fits its slot needs a page for its commit record
+        assert out["step3"] == "durable" or "free space" in out["step3"][1], out["step3"]
+    assert out["step4"] == "durable", out["step4"]
