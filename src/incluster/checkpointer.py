@@ -214,7 +214,9 @@ class Checkpointer:
             from incluster.staging import cuda
 
             job.cuda_start = cuda.record_start()
-        handle = SaveHandle(step=step, staged=job.staged, started=t0)
+        # Replication and the commit outcome each wait up to slot_timeout_s; past both (and
+        # staging), a writer or peer has stopped answering: wait() says so instead of hanging.
+        handle = SaveHandle(step=step, staged=job.staged, started=t0, deadline_s=3 * self.config.slot_timeout_s)
         with self._lock:
             self._inflight = job
             self._pending.append(handle)
@@ -381,7 +383,7 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is durable; raise the first background error."""
         with self._lock:
-            pending = list(self._pending)
+            pending = [h for h in self._pending if not h.reported]  # each error reaches the caller once
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.slot_timeout_s)
         for h in pending:
             try:

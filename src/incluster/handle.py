@@ -6,6 +6,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from incluster.errors import PeerTimeoutError
+
 
 @dataclass(eq=False)
 class SaveHandle:
@@ -28,6 +30,7 @@ class SaveHandle:
     staged_s: float | None = None
     durable_s: float | None = None
     reported: bool = False  # its error reached the caller; the Checkpointer won't raise it again
+    deadline_s: float | None = None  # wait() without a timeout gives up this long after save()
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until staged; raises the staging error if there was one."""
@@ -38,9 +41,20 @@ class SaveHandle:
         self._result(self.durable, timeout)
 
     def _result(self, fut: "Future[None]", timeout: float | None) -> None:
+        bounded = timeout is None and self.deadline_s is not None
+        if bounded:
+            timeout = max(0.0, self.started + float(self.deadline_s) - time.perf_counter())  # type: ignore[arg-type]
         try:
             fut.result(timeout)
         except TimeoutError:
+            if bounded:
+                self.reported = True
+                what = "staged" if fut is self.staged else "durable"
+                raise PeerTimeoutError(
+                    f"step {self.step} is not {what} {self.deadline_s:.0f} s after save(): this rank's writer "
+                    f"or a peer stopped answering (see the log); raise slot_timeout_s if saves are "
+                    f"legitimately this slow"
+                ) from None
             raise
         except BaseException:
             self.reported = True  # the caller has it: the Checkpointer won't raise it again
