@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.incluster-installed
 
-.PHONY: demo test bench typecheck clean venv
+.PHONY: demo test bench reliability typecheck clean venv
 
 venv: $(STAMP)
 
@@ -27,6 +27,11 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	PYTHON=$(PY) bench/run_all.sh bench-results
+
+# The crash campaign behind docs/reliability.md (TRIALS=42 takes about 25 minutes here).
+TRIALS ?= 42
+reliability: $(STAMP)
+	$(PY) scripts/reliability_report.py --trials $(TRIALS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
