@@ -216,9 +216,17 @@ Fetch = Callable[[str], torch.Tensor]
 
 
 class _Loader:
-    def __init__(self, fetch: Fetch, allow_pickle: bool) -> None:
+    def __init__(
+        self,
+        fetch: Fetch,
+        allow_pickle: bool,
+        placed: Mapping[str, torch.Tensor] | None = None,
+        collect: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.fetch = fetch
         self.allow_pickle = allow_pickle
+        self.placed = placed or {}  # name -> memory that already holds its stored bytes
+        self.collect = collect  # dry walk: record name -> live tensor, change nothing
 
     def value(self, node: Any, live: Any, path: str) -> Any:
         """Rebuild ``node``; tensors are copied into ``live`` in place when it fits."""
@@ -247,6 +255,8 @@ class _Loader:
             out = [self.value(n, lv, f"{path}/{i}") for i, (n, lv) in enumerate(zip(items, lives))]
             return tuple(out) if "t" in node else out
         if "P" in node:
+            if self.collect is not None:
+                return None
             if not self.allow_pickle:
                 raise CheckpointError(
                     f"{path}: this checkpoint holds a pickled object; loading it can run code. Pass "
@@ -256,7 +266,16 @@ class _Loader:
         raise CheckpointError(f"{path}: unknown tree node {sorted(node)} in the checkpoint record")
 
     def tensor(self, name: str, live: Any, path: str) -> torch.Tensor:
-        src = self.fetch(name)
+        plain = isinstance(live, torch.Tensor) and not dtensor.is_dtensor(live)
+        if self.collect is not None:
+            if plain:
+                self.collect.setdefault(name, live)
+            return live
+        src = self.placed.get(name)
+        if src is not None and plain and _same_memory(live, src):
+            return live  # its bytes were written straight into this tensor
+        if src is None:
+            src = self.fetch(name)
         if isinstance(live, torch.Tensor) and not dtensor.is_dtensor(live):
             if tuple(live.shape) != tuple(src.shape):
                 raise CheckpointError(
@@ -278,9 +297,21 @@ class _Loader:
     def stateful(self, node: dict[str, Any], obj: Any, path: str) -> None:
         live_sd = obj.state_dict()
         new_sd = self.value(node["v"], live_sd, path)
+        if self.collect is not None:
+            return
         if node["S"] == "module" and _loaded_in_place(obj, live_sd, new_sd):
             return  # every value was copied straight into the module's own storage
         obj.load_state_dict(new_sd)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.device == b.device
+    )
 
 
 def _loaded_in_place(module: torch.nn.Module, live_sd: Mapping[str, Any], new_sd: Mapping[str, Any]) -> bool:
@@ -331,8 +362,7 @@ def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> None:
                 p.grad = g
 
 
-def load_into(state: Mapping[str, Any], tree: Any, fetch: Fetch, *, allow_pickle: bool = False) -> None:
-    """Restore ``tree`` into the live ``state`` in place; raise naming any mismatch."""
+def _check_tree(state: Mapping[str, Any], tree: Any) -> None:
     if not isinstance(tree, dict) or "d" not in tree:
         raise CheckpointError("checkpoint record has no state tree; it was not written by incluster")
     saved_keys = [k for k, _ in tree["d"]]
@@ -342,7 +372,40 @@ def load_into(state: Mapping[str, Any], tree: Any, fetch: Fetch, *, allow_pickle
             f"the checkpoint has no entry for {missing} (it holds {saved_keys}); load with the "
             f"same state keys it was saved with"
         )
-    loader = _Loader(fetch, allow_pickle)
+
+
+def live_targets(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The live tensor that :func:`load_into` would copy each stored tensor into (the same
+    walk, run dry: nothing is copied, no ``load_state_dict`` is called). Optimizers that
+    have not stepped get their state first, as ``load_into`` would give it them.
+
+    A restore may write stored bytes straight into these tensors and then pass them to
+    ``load_into`` as ``placed``; names it cannot place this way are fetched as usual."""
+    _check_tree(state, tree)
+    loader = _Loader(lambda name: torch.empty(0), allow_pickle, collect={})
+    with torch.no_grad():
+        init_lazy_optimizers(state, tree)
+        for key, node in tree["d"]:
+            if key in state:
+                loader.value(node, state[key], _escape(key))
+    return loader.collect or {}
+
+
+def load_into(
+    state: Mapping[str, Any],
+    tree: Any,
+    fetch: Fetch,
+    *,
+    allow_pickle: bool = False,
+    placed: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Restore ``tree`` into the live ``state`` in place; raise naming any mismatch.
+
+    ``placed``: tensors that already hold a stored tensor's bytes (written there by the
+    caller, see :func:`live_targets`); a live tensor that is that very memory is not
+    copied again, any other use of the name copies from it instead of calling ``fetch``."""
+    _check_tree(state, tree)
+    loader = _Loader(fetch, allow_pickle, placed)
     with torch.no_grad():
         init_lazy_optimizers(state, tree)
         for key, node in tree["d"]:

@@ -76,6 +76,60 @@ def compute(buf: Any, size: int | None = None, chunk: int = DEFAULT_CHUNK) -> Ch
     return Checksum(size=n, chunk=chunk, digests=tuple(digests))
 
 
+def _mismatch(where: str, expected: Checksum, i: int) -> CorruptCheckpointError:
+    lo = i * expected.chunk
+    return CorruptCheckpointError(
+        f"{where}: checksum mismatch in bytes {lo}..{min(lo + expected.chunk, expected.size)}; "
+        f"this copy is corrupt - a replica or an older step will be used"
+    )
+
+
+class ChunkVerifier:
+    """Verify bytes as they arrive, in file order, one checksum chunk at a time.
+
+    ``update`` takes consecutive pieces (any sizes) starting at chunk ``first``'s first
+    byte; each chunk is compared the moment its last byte is in, so a reader can check
+    what it just copied while it is still in the cache. Raises
+    :class:`CorruptCheckpointError` at the first chunk that differs; ``finish`` checks
+    that every byte up to ``end`` (default: the whole buffer) came in."""
+
+    def __init__(self, expected: Checksum, where: str, first: int = 0) -> None:
+        self.expected, self.where = expected, where
+        self.index = first
+        self.pos = first * expected.chunk  # absolute offset of the next byte
+        self._h = xxhash.xxh3_64()
+
+    def update(self, piece: Any) -> None:
+        view = memoryview(piece).cast("B")
+        chunk, size = self.expected.chunk, self.expected.size
+        while view.nbytes:
+            end = min((self.index + 1) * chunk, size)
+            if self.pos + view.nbytes > size:
+                raise CorruptCheckpointError(f"{self.where}: more than the {size} bytes the commit record says")
+            take = min(view.nbytes, end - self.pos)
+            self._h.update(view[:take])
+            self.pos += take
+            view = view[take:]
+            if self.pos == end:
+                self._close_chunk()
+
+    def _close_chunk(self) -> None:
+        got = format(self._h.intdigest(), "016x")
+        if got != self.expected.digests[self.index]:
+            raise _mismatch(self.where, self.expected, self.index)
+        self.index += 1
+        self._h.reset()
+
+    def finish(self, end: int | None = None) -> None:
+        end = self.expected.size if end is None else end
+        if self.expected.size == 0 and self.index == 0:
+            self._close_chunk()  # the one digest of an empty buffer
+        if self.pos != end:
+            raise CorruptCheckpointError(
+                f"{self.where}: {self.pos} bytes checked but {end} expected (truncated or padded)"
+            )
+
+
 def verify(buf: Any, expected: Checksum, where: str) -> None:
     """Raise :class:`CorruptCheckpointError` unless ``buf`` matches ``expected`` exactly."""
     n = memoryview(buf).nbytes
@@ -86,8 +140,4 @@ def verify(buf: Any, expected: Checksum, where: str) -> None:
     got = compute(buf, expected.size, expected.chunk)
     for i, (a, b) in enumerate(zip(got.digests, expected.digests)):
         if a != b:
-            lo = i * expected.chunk
-            raise CorruptCheckpointError(
-                f"{where}: checksum mismatch in bytes {lo}..{min(lo + expected.chunk, n)}; "
-                f"this copy is corrupt - a replica or an older step will be used"
-            )
+            raise _mismatch(where, expected, i)

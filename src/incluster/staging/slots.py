@@ -263,6 +263,52 @@ class SlotRing:
             self._on_map(slot)
         return slot.buf
 
+    def open_for_writes(self, slot: Slot, size: int) -> int:
+        """Make the slot exactly ``size`` bytes for plain ``pwrite`` (a restore writes what
+        it received); returns the slot's fd. Not mapped: pages the file already has are
+        overwritten in place, missing ones are allocated by the writes themselves (no
+        zeroing pass, no page-table population). The next ``prepare`` maps it."""
+        if self._on_unmap is not None and slot.buf is not None:
+            self._on_unmap(slot)
+        slot.unmap()
+        if slot.fd < 0:
+            slot.fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        old = os.fstat(slot.fd).st_size
+        if old > size:
+            os.ftruncate(slot.fd, size)
+        elif old < size:
+            try:
+                faults.check("allocate", self.owner, slot.step)
+            except OSError as exc:
+                raise self._no_room(size, exc) from None
+        slot.size = size
+        return slot.fd
+
+    def write_at(self, slot: Slot, offset: int, pieces: list[Any]) -> int:
+        """Write ``pieces`` (buffers) into the slot's file from ``offset``; returns the end."""
+        for i in range(0, len(pieces), 512):  # IOV_MAX is 1024 on Linux
+            batch = [memoryview(p).cast("B") for p in pieces[i : i + 512]]
+            while batch:
+                try:
+                    n = os.pwritev(slot.fd, batch, offset)
+                except OSError as exc:
+                    raise self._no_room(slot.size, exc) from None
+                if n <= 0:
+                    raise self._no_room(slot.size, OSError(28, "no progress writing the slot"))
+                offset += n
+                while batch and n >= batch[0].nbytes:
+                    n -= batch[0].nbytes
+                    batch.pop(0)
+                if batch and n:
+                    batch[0] = batch[0][n:]
+        return offset
+
+    def _no_room(self, size: int, exc: OSError) -> CheckpointError:
+        return CheckpointError(
+            f"cannot allocate {size} bytes for a checkpoint slot in {self.folder}: "
+            f"{exc.strerror}; free space there (RAM disk full?) or point local_dir elsewhere"
+        )
+
     # -- commit thread ----------------------------------------------------------------
     def set_state(self, slot: Slot, state: SlotState) -> None:
         with self._cond:

@@ -48,6 +48,35 @@ def committed_steps(folder: str) -> list[int]:
     return sorted((int(m.group(1)) for n in names if (m := _SIDECAR.match(n))), reverse=True)
 
 
+def open_shard(folder: str, step: int) -> tuple[int, Sidecar, ShardHeader, str]:
+    """A committed shard opened for reading: (fd, sidecar, validated header, path).
+
+    Nothing past the header is read and nothing is mapped; the caller reads the data with
+    ``os.preadv`` and MUST check every byte against ``sidecar.checksum`` as it goes (see
+    :class:`incluster.format.checksum.ChunkVerifier`). The caller closes the fd."""
+    sidecar = read_sidecar(os.path.join(folder, sidecar_file(step)))
+    if sidecar.step != step:
+        raise CorruptCheckpointError(f"{folder}: sidecar of step {step} says step {sidecar.step}")
+    path = os.path.join(folder, sidecar.shard)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot open shard ({exc.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != sidecar.checksum.size:
+            raise CorruptCheckpointError(
+                f"{path}: {size} bytes on disk but the sidecar says {sidecar.checksum.size} (truncated or overwritten)"
+            )
+        prefix = os.pread(fd, 8, 0)
+        n = header_length(prefix, size, path)
+        header = parse_header(prefix + os.pread(fd, n, 8), size, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, sidecar, header, path
+
+
 class ShardReader:
     """A committed shard, verified, mapped read-only; ``tensor(name)`` views into it.
 
