@@ -1,27 +1,36 @@
 """Moving shards between ranks during a restore, over the job's default process group.
 
-Metadata first (sidecar length and shard size), then the sidecar and the raw shard,
-all posted at once with ``batch_isend_irecv`` so every rank's sends and receives run
-together. The receiver lands the bytes straight in one of its own slot files (healing
-its node's RAM tier on the way) and verifies them before anything uses them.
+Three rounds, each posted at once with ``batch_isend_irecv`` so every rank's sends and
+receives run together: (1) sizes; (2) the sidecar, the shard's header and the segment
+table (:mod:`incluster.recovery.landing`); (3) the data segments. The receiver lands
+each segment straight in the live tensor it belongs to (or in scratch memory), hashes it
+as soon as it is in, and writes it into one of its own slot files (healing its node's
+RAM tier: plain writes, so a new file costs no zeroing pass and no page-table walk).
+The slot is committed only when every chunk matched; the caller loads into the state
+only then, and restores from another copy when one did not.
 
 gloo moves CPU tensors: the sender's mapped file goes out as is. NCCL moves GPU tensors:
-the sender stages file -> GPU, the receiver GPU -> its slot file.
+the sender stages file -> GPU, the receiver GPU -> its destination.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from incluster.errors import CorruptCheckpointError
-from incluster.format.sidecar import Sidecar
-from incluster.staging.slots import SlotRing
+from incluster.errors import CheckpointError, CorruptCheckpointError
+from incluster.format.checksum import ChunkVerifier
+from incluster.format.reader import parse_header
+from incluster.format.sidecar import Sidecar, write_sidecar
+from incluster.recovery.landing import PIECE, Landing, direct_targets, segments
+from incluster.staging.slots import SlotRing, sidecar_file, step_file
 from incluster.tiers.local import ShardReader
-from incluster.writer.local_commit import commit_received, parse_received_sidecar
+from incluster.writer.local_commit import parse_received_sidecar
 
 _MAX_SIDECAR = 256 * 1024 * 1024
 
@@ -30,84 +39,194 @@ _MAX_SIDECAR = 256 * 1024 * 1024
 class Outgoing:
     dst: int
     sidecar: bytes
-    reader: ShardReader  # verified, mapped
+    reader: ShardReader  # header validated, mapped; the receiver checks every byte
+
+
+@dataclass
+class Incoming:
+    """What the receiving side needs: where the bytes go and how to check them."""
+
+    source: int
+    state: Mapping[str, Any]
+    allow_pickle: bool
+    world_size: int
+
+
+def _nccl() -> bool:
+    return dist.get_backend() == "nccl"
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    if dist.get_backend() == "nccl":
-        return t.to(torch.device("cuda", torch.cuda.current_device()))
-    return t
+    return t.to(torch.device("cuda", torch.cuda.current_device())) if _nccl() else t
 
 
-def _empty(n: int) -> torch.Tensor:
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    return torch.empty(n, dtype=torch.uint8, device=dev)
+def _empty(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
+    return torch.empty(n, dtype=dtype, device=dev)
+
+
+def _wait(ops: list[Any]) -> list[Any]:
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def exchange(
     rank: int,
     step: int,
-    source: int | None,
+    incoming: Incoming | None,
     outgoing: list[Outgoing],
     ring: SlotRing,
     *,
     job: str,
     node: str,
     timeout_s: float,
-    slot: Any = None,
-) -> tuple[str | None, tuple[str, Sidecar, torch.Tensor] | None]:
-    """Send ``outgoing`` and, if ``source`` is set, receive this rank's shard from it
-    (into ``slot`` when the caller prepared one).
+) -> tuple[str | None, tuple[Sidecar, Landing] | None]:
+    """Send ``outgoing`` and, with ``incoming``, receive this rank's shard.
 
-    Returns (why the received copy is unusable, or None; and on success the committed
-    shard's path, sidecar and mapped bytes, to load from without mapping it again).
-    """
-    ops = []
-    lens = _wire(torch.zeros(2, dtype=torch.int64))
-    if source is not None:
-        ops.append(dist.P2POp(dist.irecv, lens, source))
+    Returns (why the received copy is unusable, or None; and on success its committed
+    sidecar and the landing to finish the load from)."""
+    src = incoming.source if incoming is not None else None
+    tables = {id(o): [(s.offset, s.nbytes) for s in segments(o.reader.header)][1:] for o in outgoing}
+    # 1. sizes: sidecar, shard, header, segments
+    meta = _empty(4, torch.int64)
+    ops = [dist.P2POp(dist.irecv, meta, src)] if src is not None else []
     for o in outgoing:
-        h = torch.tensor([len(o.sidecar), o.reader.nbytes], dtype=torch.int64)
-        ops.append(dist.P2POp(dist.isend, _wire(h), o.dst))
-    for w in dist.batch_isend_irecv(ops) if ops else []:
+        h = [len(o.sidecar), o.reader.nbytes, o.reader.header.data_start, len(tables[id(o)])]
+        ops.append(dist.P2POp(dist.isend, _wire(torch.tensor(h, dtype=torch.int64)), o.dst))
+    for w in _wait(ops):
         w.wait()
-    lens = lens.cpu()
-    sc_len, size = int(lens[0]), int(lens[1])
-    ops, sc_buf, wire_buf = [], None, None
+    sc_len, size, hdr_len, nseg = (int(x) for x in meta.cpu())
     problem = None
-    if source is not None:
-        if not (0 < sc_len <= _MAX_SIDECAR and size >= 0):
-            problem = f"rank {source} announced a {sc_len}-byte sidecar and a {size}-byte shard"
-        else:
-            if slot is None:
-                slot = ring.acquire(step, timeout_s)
-            buf = ring.prepare(slot, size)
-            sc_buf = _empty(sc_len)
-            wire_buf = _empty(size) if dist.get_backend() == "nccl" else buf
-            ops.append(dist.P2POp(dist.irecv, sc_buf, source))
-            if size:
-                ops.append(dist.P2POp(dist.irecv, wire_buf, source))
+    if src is not None and not (0 < sc_len <= _MAX_SIDECAR and 8 <= hdr_len <= size and 0 <= nseg <= size):
+        # a sender only offers a copy whose header it validated: this cannot come from one
+        problem = f"rank {src} announced a {sc_len}-byte sidecar and a {size}-byte shard"
+        src = None
+    # 2. sidecar, header, segment table
+    ops = []
+    if src is not None:
+        sc_buf, hdr_buf, tab_buf = _empty(sc_len), _empty(hdr_len), _empty(2 * nseg, torch.int64)
+        ops += [dist.P2POp(dist.irecv, b, src) for b in (sc_buf, hdr_buf, tab_buf) if b.numel()]
     for o in outgoing:
-        ops.append(dist.P2POp(dist.isend, _wire(torch.frombuffer(bytearray(o.sidecar), dtype=torch.uint8)), o.dst))
-        if o.reader.nbytes:
-            ops.append(dist.P2POp(dist.isend, _wire(o.reader.raw()), o.dst))
-    for w in dist.batch_isend_irecv(ops) if ops else []:
+        tab = torch.tensor([x for seg in tables[id(o)] for x in seg], dtype=torch.int64)
+        bufs = [torch.frombuffer(bytearray(o.sidecar), dtype=torch.uint8), o.reader.raw()[: o.reader.header.data_start], tab]
+        ops += [dist.P2POp(dist.isend, _wire(b), o.dst) for b in bufs if b.numel()]
+    for w in _wait(ops):
         w.wait()
-    if source is None or problem is not None or slot is None or sc_buf is None:
-        if slot is not None:
-            ring.release(slot)
-        return problem, None
-    if wire_buf is not None and wire_buf.device.type == "cuda":
-        ring.prepare(slot, size).copy_(wire_buf)
-    try:
-        sc = _commit(rank, step, ring, slot, bytes(sc_buf.cpu().numpy()), size, job=job, node=node, source=source)
-    except CorruptCheckpointError as exc:
-        ring.release(slot)
-        return str(exc), None
-    return None, (slot.path, sc, ring.prepare(slot, size))
+    recv = None
+    if src is not None:
+        recv = _Receiver(rank, step, incoming, ring, job=job, node=node, timeout_s=timeout_s)  # type: ignore[arg-type]
+        recv.prepare(bytes(sc_buf.cpu().numpy()), bytes(hdr_buf.cpu().numpy()), tab_buf.cpu().tolist(), size)
+    # 3. the data segments
+    ops, bufs = [], []
+    if recv is not None:
+        bufs = [_empty(n) if _nccl() else d for (_, n), d in zip(recv.table, recv.dests)]
+        ops += [dist.P2POp(dist.irecv, b, src) for b in bufs if b.numel()]
+    nrecv = len(ops)
+    for o in outgoing:
+        raw = o.reader.raw()
+        ops += [dist.P2POp(dist.isend, _wire(raw[a : a + n]), o.dst) for a, n in tables[id(o)] if n]
+    works = _wait(ops)
+    if recv is not None:
+        if len(works) == len(ops):  # one work per op: check each segment as soon as it is in
+            mine, rest = works[:nrecv], works[nrecv:]
+        else:
+            mine, rest = [], works
+            for w in rest:
+                w.wait()
+            rest = []
+        posted = [i for i, b in enumerate(bufs) if b.numel()]
+        for k, w in enumerate(mine):
+            w.wait()
+            recv.landed(posted[k], bufs[posted[k]])
+        if not mine:
+            for i in posted:
+                recv.landed(i, bufs[i])
+        for w in rest:
+            w.wait()
+        problem = recv.finish()
+        return problem, (None if problem else (recv.sidecar, recv.landing))  # type: ignore[return-value]
+    for w in works:
+        w.wait()
+    return problem, None
 
 
-def _commit(rank: int, step: int, ring: SlotRing, slot: Any, raw: bytes, size: int, *, job: str, node: str, source: int) -> Sidecar:
-    where = f"rank {rank}'s shard of step {step} received from rank {source}"
-    sc = parse_received_sidecar(raw, where, rank=rank, step=step, job=job, size=size)
-    return commit_received(ring, slot, sc, where, node=node, restored_from_rank=source)
+class _Receiver:
+    """The receiving end of one shard: checks, lands, heals, commits."""
+
+    def __init__(self, rank: int, step: int, inc: Incoming, ring: SlotRing, *, job: str, node: str, timeout_s: float) -> None:
+        self.rank, self.step, self.inc, self.ring = rank, step, inc, ring
+        self.job, self.node, self.timeout_s = job, node, timeout_s
+        self.where = f"rank {rank}'s shard of step {step} received from rank {inc.source}"
+        self.problem: str | None = None
+        self.slot: Any = None
+        self.landing: Landing | None = None
+        self.sidecar: Sidecar | None = None
+
+    def prepare(self, raw_sc: bytes, hdr: bytes, tab: list[int], size: int) -> None:
+        self.table = [(tab[i], tab[i + 1]) for i in range(0, len(tab), 2)]
+        sizes = [n for _, n in self.table]
+        try:
+            sc = parse_received_sidecar(raw_sc, self.where, rank=self.rank, step=self.step, job=self.job, size=size)
+            header = parse_header(hdr, size, self.where)
+            segs = segments(header)
+            if [(s.offset, s.nbytes) for s in segs[1:]] != self.table:
+                raise CorruptCheckpointError(f"{self.where}: the sender cut the shard differently")
+            self.verifier = ChunkVerifier(sc.checksum, self.where)
+            self.verifier.update(hdr)
+        except CorruptCheckpointError as exc:
+            self.problem = str(exc)
+            self.dests = [torch.empty(n, dtype=torch.uint8) for n in sizes]  # taken in, thrown away
+            return
+        targets: dict[str, torch.Tensor] = {}
+        if sc.world_size == self.inc.world_size:  # else the load refuses it before any byte is used
+            try:
+                targets = direct_targets(self.inc.state, sc.tree, header, allow_pickle=self.inc.allow_pickle)
+            except CheckpointError:
+                targets = {}  # the load reports the mismatch; nothing lands in the live state
+        self.sidecar, self.landing = sc, Landing(header, segs, targets)
+        self.dests = self.landing.dests[1:]
+        self.slot = self.ring.acquire(self.step, self.timeout_s)
+        try:
+            self.ring.open_for_writes(self.slot, size)
+            self.ring.write_at(self.slot, 0, [hdr])
+        except BaseException:
+            self.ring.release(self.slot)
+            raise
+
+    def landed(self, i: int, buf: torch.Tensor) -> None:
+        """Segment ``i`` is in (segments arrive in file order): check it, write it to the slot."""
+        if self.problem is not None:
+            return
+        dest = self.dests[i]
+        if buf.device.type == "cuda":
+            dest.copy_(buf)
+        view = memoryview(dest.numpy())  # type: ignore[arg-type]
+        off = self.table[i][0]
+        for at in range(0, view.nbytes, PIECE):  # hash, then write, each piece while it is in the cache
+            piece = view[at : at + PIECE]
+            try:
+                self.verifier.update(piece)
+            except CorruptCheckpointError as exc:
+                self.problem = str(exc)
+                return
+            self.ring.write_at(self.slot, off + at, [piece])
+
+    def finish(self) -> str | None:
+        if self.problem is None:
+            try:
+                self.verifier.finish()
+            except CorruptCheckpointError as exc:
+                self.problem = str(exc)
+        if self.problem is not None:
+            if self.slot is not None:
+                self.ring.release(self.slot)
+            return self.problem
+        sc, ring, slot = self.sidecar, self.ring, self.slot
+        assert sc is not None
+        final = os.path.join(ring.folder, step_file(sc.step))
+        os.replace(slot.path, final)  # every byte checked: commit like a local save
+        self.sidecar = dataclasses.replace(
+            sc, shard=step_file(sc.step), node=self.node, extra={**sc.extra, "restored_from_rank": self.inc.source}
+        )
+        write_sidecar(os.path.join(ring.folder, sidecar_file(sc.step)), self.sidecar)
+        ring.mark_committed(slot, sc.step, final)
+        return None

@@ -1,0 +1,99 @@
+"""What a restore does to this node's RAM folder: list it, drop abandoned steps, open
+the copies it sends. No collectives here."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from incluster.errors import CorruptCheckpointError
+from incluster.recovery.plan import RankPlan
+from incluster.recovery.transfer import Outgoing
+from incluster.staging.slots import SlotRing, sidecar_file, step_file
+from incluster.tiers.local import ShardReader, committed_steps, rank_folder
+
+log = logging.getLogger("incluster")
+
+
+def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int]]:
+    """(owner rank, step, bytes) for every committed shard in this node's folder (names
+    and sizes only; nothing is read)."""
+    base = os.path.join(local_dir, job)
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        if n.startswith("rank-") and n[5:].isdigit():
+            folder = os.path.join(base, n)
+            for step in committed_steps(folder):
+                try:
+                    out.append((int(n[5:]), step, os.stat(os.path.join(folder, step_file(step))).st_size))
+                except FileNotFoundError:
+                    continue  # a sidecar without its shard: not a copy
+    return out
+
+
+def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
+    """Training continues from ``step``: every copy of a newer step on this node (own
+    shards and replicas alike) belongs to an abandoned timeline. Un-commit them all, so
+    a later restore can never mix an old-timeline copy with a new one of the same step,
+    and replication never declines a new step because a stale copy has its name. Shard
+    files my own ring holds stay (un-committed, its ``reset_to`` dropped their sidecars):
+    their pages are reused by the next slot it hands out."""
+    base = os.path.join(local_dir, job)
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        return
+    kept = {os.path.abspath(s.path) for s in ring.slots}
+    for n in names:
+        if not (n.startswith("rank-") and n[5:].isdigit()):
+            continue
+        folder = os.path.join(base, n)
+        for newer in committed_steps(folder):
+            if newer > step:
+                for name in (sidecar_file(newer), step_file(newer)):  # the marker first
+                    path = os.path.join(folder, name)
+                    if os.path.abspath(path) in kept:
+                        continue
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+
+
+def bad_copy(ctx: Any, report: Any, owner: int, step: int, exc: Exception) -> None:
+    log.warning("incluster: rank %d: the copy of rank %d's step %d on node %s is bad (%s); "
+                "it is set aside and another copy is used", ctx.rank, owner, step, ctx.node, exc)
+    report.notes.append(f"rank {owner}'s copy on {ctx.node} failed verification ({exc})")
+
+
+def open_outgoing(ctx: Any, mine: RankPlan, report: Any) -> tuple[list[tuple[str, int, int]], list[Outgoing]]:
+    """Open (sidecar and header validated, mapped) every copy this rank sends. Their bytes
+    are not hashed here: each receiver checks every chunk as it lands, so a corrupt copy
+    is still caught, and reported against this node."""
+    bad: list[tuple[str, int, int]] = []
+    outgoing: list[Outgoing] = []
+    step = mine.step
+    assert step is not None
+    for owner in mine.sends:
+        folder = rank_folder(ctx.local_dir, ctx.job, owner)
+        try:
+            reader = ShardReader(folder, step, verify_checksum=False)
+            sc = reader.sidecar
+            if sc.rank != owner or sc.job != ctx.job:
+                reader.close()
+                raise CorruptCheckpointError(f"{folder}: step {step} claims rank {sc.rank} of job {sc.job!r}")
+            with open(os.path.join(folder, sidecar_file(step)), "rb") as f:
+                outgoing.append(Outgoing(owner, f.read(), reader))
+        except (CorruptCheckpointError, FileNotFoundError) as exc:
+            bad_copy(ctx, report, owner, step, exc)
+            try:
+                os.unlink(os.path.join(folder, sidecar_file(step)))
+            except FileNotFoundError:
+                pass
+            bad.append((ctx.node, owner, step))
+    return bad, outgoing

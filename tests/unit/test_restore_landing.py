@@ -1,0 +1,165 @@
+"""The fused restore: bytes land in the live tensors and are checked chunk by chunk as
+they land; a bad chunk never leaves a torn state behind."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import incluster
+from incluster.errors import CorruptCheckpointError, NoCheckpointError
+from incluster.format.checksum import ChunkVerifier, compute
+from incluster.format.layout import build_layout
+from incluster.format.reader import parse_header
+from incluster.recovery.gather import gather_to_zero
+from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
+from incluster.staging.slots import step_file
+from incluster.state import flatten, live_targets, load_into
+
+from helpers import tiny_model, train
+
+
+def _pieces(data: bytes, rng: random.Random) -> list[bytes]:
+    out, i = [], 0
+    while i < len(data):
+        n = rng.randint(1, 2500)
+        out.append(data[i : i + n])
+        i += n
+    return out
+
+
+def test_chunk_verifier_accepts_any_cut_and_names_the_bad_chunk():
+    rng = random.Random(1)
+    data = bytes(rng.getrandbits(8) for _ in range(10_500))
+    ck = compute(data, chunk=1000)
+    v = ChunkVerifier(ck, "x")
+    for p in _pieces(data, rng):
+        v.update(p)
+    v.finish()
+    bad = bytearray(data)
+    bad[4321] ^= 1
+    v = ChunkVerifier(ck, "x")
+    with pytest.raises(CorruptCheckpointError, match="bytes 4000..5000"):
+        for p in _pieces(bytes(bad), rng):
+            v.update(p)
+    v = ChunkVerifier(ck, "x")
+    v.update(data[:-1])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        v.finish()
+    v = ChunkVerifier(ck, "x", first=3)  # a chunk on its own (parallel readers)
+    v.update(data[3000:4000])
+    v.finish(4000)
+
+
+def _shard(tensors: dict[str, torch.Tensor]) -> tuple[bytes, object]:
+    flat = flatten(tensors)
+    layout = build_layout(flat.specs)
+    body = bytearray(layout.total_size)
+    body[: layout.data_start] = layout.header
+    for e, t in zip(layout.entries, flat.tensors):
+        body[e.offset : e.offset + e.nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(body), flat
+
+
+def test_segments_cover_the_file_in_order():
+    data, _ = _shard({"a": torch.randn(100_000), "b": torch.ones(3), "c": torch.zeros(2), "d": torch.randn(70_000)})
+    header = parse_header(data, len(data))
+    for big in (1, 256 * 1024):
+        segs = segments(header, big)
+        assert segs[0].offset == 0 and segs[0].nbytes == header.data_start
+        pos = 0
+        for s in segs:
+            assert s.offset == pos and s.nbytes > 0
+            pos += s.nbytes
+        assert pos == len(data)
+        assert [s.name for s in segs if s.name] == (["a", "b", "c", "d"] if big == 1 else ["a", "d"])
+
+
+def test_direct_targets_skip_what_cannot_take_raw_bytes():
+    base = torch.zeros(200)
+    live = {
+        "plain": torch.zeros(100),
+        "strided": torch.zeros(100, 2)[:, 0],
+        "dtype": torch.zeros(100, dtype=torch.float64),
+        "ov1": base[:150],
+        "ov2": base[100:],
+    }
+    saved = {k: torch.ones(v.shape) for k, v in live.items()}
+    data, flat = _shard(saved)
+    header = parse_header(data, len(data))
+    targets = direct_targets(live, flat.tree, header, allow_pickle=False, big=1)
+    assert set(targets) == {"plain"}
+
+
+def test_placed_tensors_are_not_copied_again_and_the_rest_is_fetched(tmp_path):
+    m = tiny_model(0)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    train(m, o, 2)
+    state = {"model": m, "optim": o, "extra": {"n": 7}}
+    data, flat = _shard(state)
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    m2 = tiny_model(3)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)  # not stepped: state is created first
+    live = {"model": m2, "optim": o2, "extra": {}}
+    header = parse_header(data, len(data))
+    targets = direct_targets(live, flat.tree, header, allow_pickle=False, big=1)
+    assert any(n.startswith("model") for n in targets) and set(targets) <= set(live_targets(live, flat.tree))
+    landing = Landing(header, segments(header, big=1), targets)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_verified(fd, landing, compute(data, chunk=4096), str(path), workers=2)
+    finally:
+        os.close(fd)
+    ptrs = [p.data_ptr() for p in m2.parameters()]
+    load_into(live, flat.tree, landing.fetch, placed=landing.placed)
+    assert [p.data_ptr() for p in m2.parameters()] == ptrs
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(o.state.values(), o2.state.values()):
+        for k in a:
+            assert torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))
+    assert live["extra"] == {"n": 7}
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_a_bad_chunk_found_mid_load_is_overwritten_by_the_older_step(local_dir):
+    w1, w2 = torch.full((50_000,), 1.0), torch.full((50_000,), 2.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="t", writer="thread") as ck:
+        ck.save(1, {"w": w1, "v": w1[:10].clone()}).wait()
+        ck.save(2, {"w": w2, "v": w2[:10].clone()}).wait()
+        folder = ck.folder
+    path = os.path.join(folder, step_file(2))
+    _flip(path, os.path.getsize(path) - 5)  # in the last tensor: "w" has landed already
+    target = {"w": torch.zeros(50_000), "v": torch.zeros(10)}
+    ptr = target["w"].data_ptr()
+    with incluster.Checkpointer(local_dir=local_dir, job="t", writer="thread") as ck:
+        assert ck.load(target) == 1
+        assert any("checksum mismatch" in n for n in ck.last_restore.notes)
+    assert torch.equal(target["w"], w1) and torch.equal(target["v"], w1[:10]) and target["w"].data_ptr() == ptr
+
+
+def test_no_good_copy_after_a_partial_load_says_the_state_was_overwritten(local_dir):
+    with incluster.Checkpointer(local_dir=local_dir, job="t", writer="thread") as ck:
+        ck.save(1, {"w": torch.ones(50_000), "v": torch.ones(10)}).wait()
+        folder = ck.folder
+    path = os.path.join(folder, step_file(1))
+    _flip(path, os.path.getsize(path) - 5)
+    with incluster.Checkpointer(local_dir=local_dir, job="t", writer="thread") as ck:
+        with pytest.raises(incluster.CheckpointError, match="partly overwritten") as err:
+            ck.load({"w": torch.zeros(50_000), "v": torch.zeros(10)})
+        assert not isinstance(err.value, NoCheckpointError)  # callers that start afresh on it must not
+
+
+def test_gather_to_zero_alone():
+    assert gather_to_zero({"a": 1}, 0, 1) == [{"a": 1}]
