@@ -22,9 +22,8 @@ from typing import Any, Mapping
 import torch
 
 from incluster import config as _config
-from incluster.commit import StoreAddress, host_store
+from incluster import wiring
 from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, TierUnavailableError, WriterProcessDied
-from incluster.persist import PersistParams
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.recovery.restore import Context as RestoreContext
@@ -69,7 +68,7 @@ class Checkpointer:
         self.ring = SlotRing(self.folder, slots, on_unmap=self._on_unmap)
         self._uploads: dict[int, tuple[Slot, SaveHandle]] = {}
         self._stager = Stager(self.ring, self.config.allow_pickle)
-        self._store_server, address, targets, sources = self._start_store()
+        self._store_server, address, targets, sources = wiring.start_store(self.config, self.rank, self.world_size)
         self._store_address = address
         params = WriterParams(
             rank=self.rank,
@@ -83,7 +82,7 @@ class Checkpointer:
             job=self.config.job,
             node=self.config.node,
             keep=self.config.keep,
-            persist=self._persist_params(),
+            persist=wiring.persist_params(self.config, self.rank, self.world_size),
         )
         self.replica_targets = targets
         self._writer: Writer = (
@@ -104,91 +103,6 @@ class Checkpointer:
             ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
         )
         self.events.record(ev.START, world_size=self.world_size, node=self.config.node)
-
-    def _start_store(self) -> tuple[object, StoreAddress | None, tuple[int, ...], tuple[int, ...]]:
-        """Rank 0 learns every rank's node, places replicas, hosts the job store, and sends
-        each rank its store address and replica partners: one gather, one scatter."""
-        if self.world_size == 1:
-            return None, None, (), ()
-        import torch.distributed as dist
-
-        from incluster.topology import Topology, replica_targets
-
-        nodes: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(self.config.node, nodes, dst=0)
-        server, plans = None, None
-        if nodes is not None:
-            topo = Topology.from_nodes(nodes)
-            replicas = topo.effective_replicas(self.config.replicas)
-            if replicas < self.config.replicas:
-                log.warning(
-                    "incluster: %d replica(s) asked for, but the job spans %d node(s): keeping %d "
-                    "(a replica never lives on its owner's node)",
-                    self.config.replicas, len(topo.nodes), replicas,
-                )
-            server, address = host_store(self.config.job, self.world_size, 1 + replicas)
-            sources: dict[int, list[int]] = {r: [] for r in range(self.world_size)}
-            targets = {r: tuple(replica_targets(topo, r, replicas)) for r in range(self.world_size)}
-            for r, ts in targets.items():
-                for t in ts:
-                    sources[t].append(r)
-            plans = [(address, targets[r], tuple(sorted(sources[r]))) for r in range(self.world_size)]
-        box: list[Any] = [None]
-        dist.scatter_object_list(box, plans, src=0)
-        address, my_targets, my_sources = box[0]
-        return server, address, my_targets, my_sources
-
-    def _persistent_tier(self) -> Any:
-        if not self.config.persistent:
-            return None
-        from incluster.tiers.persistent import open_tier
-
-        return open_tier(self.config.persistent, self.config.persistent_options)
-
-    def _persist_params(self) -> PersistParams | None:
-        c = self.config
-        if not c.persistent:
-            return None
-        from incluster.tiers.persistent import open_tier
-
-        open_tier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
-        if c.writer == "process" and not isinstance(c.persistent, str):
-            import pickle
-
-            try:
-                pickle.dumps(c.persistent)
-            except Exception as exc:  # noqa: BLE001 - any pickling failure means the same
-                raise ValueError(
-                    f"persistent={c.persistent!r} must be picklable to reach the writer process ({exc}); "
-                    f"pass a path or URL, or use writer='thread'"
-                ) from None
-        return PersistParams(
-            url=c.persistent, options=dict(c.persistent_options or {}), job=c.job, rank=self.rank,
-            world_size=self.world_size, every=c.persistent_every, interval_s=c.persistent_interval_s,
-            keep=c.persistent_keep, timeout_s=c.slot_timeout_s,
-        )
-
-    def _release_store(self) -> None:
-        """Every rank checks out of the job store; rank 0 keeps it up until all have
-        (bounded), so no rank loses the store while it still waits for an outcome."""
-        if self._store_address is None:
-            return
-        from incluster.commit import StoreCoordinator
-
-        key = f"incluster/{self.config.job}/closed"
-        try:
-            if self.rank != 0:
-                StoreCoordinator(self._store_address, self.rank, timeout=10).store.add(key, 1)
-                return
-            store = self._store_server
-            store.add(key, 1)  # type: ignore[attr-defined]
-            deadline = time.monotonic() + self.config.slot_timeout_s
-            while store.add(key, 0) < self.world_size and time.monotonic() < deadline:  # type: ignore[attr-defined]
-                time.sleep(0.01)
-        except Exception as exc:  # noqa: BLE001 - closing must not raise for a peer's sake
-            log.warning("incluster: rank %d could not check out of the job store: %s", self.rank, exc)
-        finally:
-            self._store_server = None
 
     @property
     def writer_pid(self) -> int | None:
@@ -263,7 +177,7 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001
             self._fail(job, handle, exc, "commit")
             return
-        def on_local(f: "Future[str]") -> None:
+        def on_local(f: "Future[tuple[str, bool]]") -> None:
             self._local_done(job, handle, f)  # always before the outcome is handled
             outcome.add_done_callback(lambda g: self._outcome(job, handle, g))
 
@@ -428,7 +342,7 @@ class Checkpointer:
             ring=self.ring,
             allow_pickle=self.config.allow_pickle,
             timeout_s=self.config.slot_timeout_s,
-            persistent=self._persistent_tier(),
+            persistent=wiring.persistent_tier(self.config),
         )
         report = restore(ctx, state)
         self.last_restore = report
@@ -457,7 +371,8 @@ class Checkpointer:
             self._stage_pool.shutdown(wait=True)
             self._writer.close(self.config.slot_timeout_s)
             self.ring.close()
-            self._release_store()
+            wiring.release_store(self._store_server, self._store_address, self.config, self.rank, self.world_size)
+            self._store_server = None
             self.events.record(ev.END)
             self.events.close()
 

@@ -143,9 +143,11 @@ def _random_kill(rng: random.Random, result: Result, writer: str) -> Callable[[_
         start = next((e for e in run.events(rank) if e["event"] == "start"), {})
         pid = start.get("pid" if target == "trainer" else "writer_pid")
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            if not isinstance(pid, int) or pid <= 0:  # never 0 or -1: that would be a process group
+                raise ProcessLookupError
+            os.kill(pid, signal.SIGKILL)
             result.fault = f"SIGKILL rank {rank}'s {target} {delay:.2f} s into training"
-        except (ProcessLookupError, TypeError, ValueError):
+        except ProcessLookupError:
             result.fault = f"rank {rank}'s {target} had already exited at {delay:.2f} s (no kill)"
         return True
 

@@ -12,9 +12,10 @@ from incluster.writer.local_commit import CommitRequest
 class Writer(Protocol):
     pid: int | None
 
-    def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[str], Future[None]]":
+    def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[tuple[str, bool]], Future[None]]":
         """Commit a staged slot. Futures: the local commit (shard path) and the global
-        outcome (done when every rank committed the step; CommitError if one failed)."""
+        outcome (done when every rank committed the step; CommitError if one failed).
+        The local future gives (shard path, whether this step goes to the persistent tier)."""
         ...
 
     def fail(self, step: int, reason: str) -> None:

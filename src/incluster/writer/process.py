@@ -63,7 +63,7 @@ class ProcessWriter:
         self.pid: int | None = self.proc.pid
         self.conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
-        self._pending: dict[int, tuple[Future[str], Future[None]]] = {}
+        self._pending: dict[int, tuple[Future[tuple[str, bool]], Future[None]]] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._dead: WriterProcessDied | None = None
@@ -90,8 +90,8 @@ class ProcessWriter:
         with self._send_lock:
             self.conn.send(msg)
 
-    def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[str], Future[None]]":
-        local: Future[str] = Future()
+    def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[tuple[str, bool]], Future[None]]":
+        local: Future[tuple[str, bool]] = Future()
         outcome: Future[None] = Future()
         with self._lock:
             if self._dead is not None:

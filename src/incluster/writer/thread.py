@@ -21,7 +21,7 @@ log = logging.getLogger("incluster")
 
 
 class ThreadWriter:
-    pid = None
+    pid: int | None = None
 
     def __init__(self, params: WriterParams, on_persisted: Any = None) -> None:
         self._on_persisted = on_persisted
@@ -29,15 +29,15 @@ class ThreadWriter:
         self._commit = ThreadPoolExecutor(1, thread_name_prefix="incluster-writer")
         self._watch = ThreadPoolExecutor(1, thread_name_prefix="incluster-outcome")
 
-    def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[str], Future[None]]":
+    def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[tuple[str, bool]], Future[None]]":
         if slot.mm is None and req.size:
             raise CheckpointError(f"slot {slot.index} is not mapped; it cannot be committed")
-        local: Future[str] = Future()
+        local: Future[tuple[str, bool]] = Future()
         outcome: Future[None] = Future()
         self._commit.submit(self._run, req, slot.mm if slot.mm is not None else b"", local, outcome)
         return local, outcome
 
-    def _run(self, req: CommitRequest, buf: object, local: "Future[str]", outcome: "Future[None]") -> None:
+    def _run(self, req: CommitRequest, buf: object, local: "Future[tuple[str, bool]]", outcome: "Future[None]") -> None:
         """Commit thread: local commit, replication, then hand the outcome wait over."""
         try:
             path, own, persist = self._service.commit(req, buf)

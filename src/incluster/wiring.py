@@ -1,0 +1,104 @@
+"""How a Checkpointer is wired into its job, at start and at close.
+
+- ``start_store``: rank 0 learns every rank's node, places replicas, hosts the job store,
+  and sends each rank its store address and replica partners (one gather, one scatter);
+- ``release_store``: every rank checks out; rank 0 keeps the store up until all have
+  (bounded), so no rank loses it while it still waits for an outcome;
+- ``persistent_tier`` / ``persist_params``: the persistent tier for restores, and the
+  picklable parameters that take it into the writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from incluster.commit import StoreAddress, host_store
+from incluster.config import Config
+from incluster.persist import PersistParams
+
+log = logging.getLogger("incluster")
+
+
+def start_store(config: Config, rank: int, world_size: int) -> tuple[object, StoreAddress | None, tuple[int, ...], tuple[int, ...]]:
+    """(store server or None, its address, my replica targets, my replica sources)."""
+    if world_size == 1:
+        return None, None, (), ()
+    import torch.distributed as dist
+
+    from incluster.topology import Topology, replica_targets
+
+    nodes: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(config.node, nodes, dst=0)
+    server, plans = None, None
+    if nodes is not None:
+        topo = Topology.from_nodes(nodes)
+        replicas = topo.effective_replicas(config.replicas)
+        if replicas < config.replicas:
+            log.warning(
+                "incluster: %d replica(s) asked for, but the job spans %d node(s): keeping %d "
+                "(a replica never lives on its owner's node)",
+                config.replicas, len(topo.nodes), replicas,
+            )
+        server, address = host_store(config.job, world_size, 1 + replicas)
+        sources: dict[int, list[int]] = {r: [] for r in range(world_size)}
+        targets = {r: tuple(replica_targets(topo, r, replicas)) for r in range(world_size)}
+        for r, ts in targets.items():
+            for t in ts:
+                sources[t].append(r)
+        plans = [(address, targets[r], tuple(sorted(sources[r]))) for r in range(world_size)]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, plans, src=0)
+    address, my_targets, my_sources = box[0]
+    return server, address, my_targets, my_sources
+
+
+def release_store(server: Any, address: StoreAddress | None, config: Config, rank: int, world_size: int) -> None:
+    if address is None:
+        return
+    from incluster.commit import StoreCoordinator
+
+    key = f"incluster/{config.job}/closed"
+    try:
+        if rank != 0:
+            StoreCoordinator(address, rank, timeout=10).store.add(key, 1)
+            return
+        server.add(key, 1)
+        deadline = time.monotonic() + config.slot_timeout_s
+        while server.add(key, 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception as exc:  # noqa: BLE001 - closing must not raise for a peer's sake
+        log.warning("incluster: rank %d could not check out of the job store: %s", rank, exc)
+
+
+def persistent_tier(config: Config) -> Any:
+    if not config.persistent:
+        return None
+    from incluster.tiers.persistent import open_tier
+
+    return open_tier(config.persistent, config.persistent_options)
+
+
+def persist_params(config: Config, rank: int, world_size: int) -> PersistParams | None:
+    c = config
+    if not c.persistent:
+        return None
+    from incluster.tiers.persistent import open_tier
+
+    open_tier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
+    if c.writer == "process" and not isinstance(c.persistent, str):
+        import pickle
+
+        try:
+            pickle.dumps(c.persistent)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure means the same
+            raise ValueError(
+                f"persistent={c.persistent!r} must be picklable to reach the writer process ({exc}); "
+                f"pass a path or URL, or use writer='thread'"
+            ) from None
+    return PersistParams(
+        url=c.persistent, options=dict(c.persistent_options or {}), job=c.job, rank=rank,
+        world_size=world_size, every=c.persistent_every, interval_s=c.persistent_interval_s,
+        keep=c.persistent_keep, timeout_s=c.slot_timeout_s,
+    )
