@@ -152,23 +152,24 @@ def read_verified(fd: int, landing: Landing, expected: Checksum, where: str, wor
     if expected.size != landing.nbytes:
         raise CorruptCheckpointError(f"{where}: the header says {landing.nbytes} bytes, the sidecar {expected.size}")
     chunk = expected.chunk
-    by_chunk: dict[int, list[tuple[int, memoryview]]] = {}
-    for s, d in zip(landing.segs, landing.dests):
-        view = memoryview(d.numpy())  # type: ignore[arg-type]
-        pos = 0
-        while pos < s.nbytes:
-            off = s.offset + pos
-            k = off // chunk
-            end = min(s.nbytes, pos + PIECE, (k + 1) * chunk - s.offset)
-            by_chunk.setdefault(k, []).append((off, view[pos:end]))
-            pos = end
+    starts = [s.offset for s in landing.segs]
+    views = [memoryview(d.numpy()) for d in landing.dests]  # type: ignore[arg-type]
 
     def one(k: int) -> None:
+        lo, hi = k * chunk, min((k + 1) * chunk, expected.size)
         v = ChunkVerifier(expected, where, first=k)
-        for off, view in by_chunk.get(k, []):
-            _pread_full(fd, view, off, where)
-            v.update(view)
-        v.finish(min((k + 1) * chunk, expected.size))
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while i < len(starts) and starts[i] < hi:
+            seg, view = landing.segs[i], views[i]
+            pos = max(lo, seg.offset)
+            end = min(hi, seg.offset + seg.nbytes)
+            while pos < end:
+                piece = view[pos - seg.offset : min(end, pos + PIECE) - seg.offset]
+                _pread_full(fd, piece, pos, where)
+                v.update(piece)
+                pos += piece.nbytes
+            i += 1
+        v.finish(hi)
 
     count = max(1, -(-expected.size // chunk))
     if workers <= 1 or count == 1:

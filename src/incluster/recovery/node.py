@@ -82,7 +82,7 @@ def open_outgoing(ctx: Any, mine: RankPlan, report: Any) -> tuple[list[tuple[str
     for owner in mine.sends:
         folder = rank_folder(ctx.local_dir, ctx.job, owner)
         try:
-            reader = ShardReader(folder, step, verify_checksum=False)
+            reader = ShardReader(folder, step, verify_checksum=False, populate=False)  # gloo reads it once
             sc = reader.sidecar
             if sc.rank != owner or sc.job != ctx.job:
                 reader.close()

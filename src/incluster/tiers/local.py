@@ -82,7 +82,7 @@ class ShardReader:
 
     WARNING: the views are read-only memory: copy from them, never into them."""
 
-    def __init__(self, folder: str, step: int, *, verify_checksum: bool = True) -> None:
+    def __init__(self, folder: str, step: int, *, verify_checksum: bool = True, populate: bool = True) -> None:
         self.sidecar: Sidecar = read_sidecar(os.path.join(folder, sidecar_file(step)))
         if self.sidecar.step != step:
             raise CorruptCheckpointError(f"{folder}: sidecar of step {step} says step {self.sidecar.step}")
@@ -104,7 +104,8 @@ class ShardReader:
                 raise CorruptCheckpointError(f"{self.path}: {size} bytes is too short to be a shard")
             # Read-only and populated in one pass (not one fault per page). Never written:
             # a private writable mapping would copy every page when populated.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            # (populate=False: pages are mapped as they are first read, a few at a time.)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
