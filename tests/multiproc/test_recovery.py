@@ -105,3 +105,24 @@ def test_copies_of_abandoned_steps_are_dropped_everywhere_after_a_restore(local_
     # steps 4 and 6 of the new timeline are saved and complete; none of the old step 4 is left
     for r in range(4):
         assert second[r]["errors"] == {}, second[r]["errors"]
+
+
+def test_a_corrupt_copy_found_in_transfer_falls_back_to_an_older_step_on_every_rank(local_dir):
+    """Rank 1's only copy of step 4 (its replica on C) is corrupt: the receiver finds it
+    chunk by chunk as the bytes land; ranks that already loaded step 4 from their own
+    node load step 2 again, so every rank ends bitwise at step 2."""
+    first = _first(local_dir)  # steps 2 and 4 everywhere
+    shutil.rmtree(os.path.join(local_dir, "B"))
+    shard = os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    codes, second, job = _run(local_dir, 1, nodes=["A", "E", "C", "D"], env=THREAD)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(second, first, 2)
+    r1 = second[1]["restore"]
+    assert r1["source"] == "peer" and r1["source_node"] == "C" and r1["rounds"] == 2
+    assert any("rejected" in n and "checksum mismatch" in n for n in r1["notes"])
+    assert second[0]["restore"]["source"] == "local"
