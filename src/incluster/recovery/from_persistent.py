@@ -36,9 +36,11 @@ def persistent_plan(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, in
             if int(manifest["world_size"]) != ctx.world_size or sorted(records) != list(range(ctx.world_size)):
                 log.warning("incluster: persistent step %d was saved by %s ranks; this job has %d",
                             step, manifest.get("world_size"), ctx.world_size)
+                exclude.add(("<persistent>", -1, step))
                 continue
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)
+            exclude.add(("<persistent>", -1, step))
             continue
         return [RankPlan(step, None, (), "persistent", records[r]) for r in range(ctx.world_size)]
     return None

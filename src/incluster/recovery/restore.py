@@ -289,6 +289,16 @@ def _plan_round(
                 f"{os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
             )
             plans = [msg] * ctx.world_size
+        elif plan.step is None and exclude:
+            # Copies existed but none could be used: starting afresh would silently drop them.
+            bad = sorted({step for _, _, step in exclude})
+            msg = (
+                f"every copy of step(s) {bad} failed verification or does not fit this job (see the "
+                f"log for each copy and why); nothing is loaded. Restore from a backup, or delete "
+                f"{os.path.join(ctx.local_dir, ctx.job)} on every node (and the persistent tier's "
+                f"{ctx.job}/ folder) to start afresh"
+            )
+            plans = [msg] * ctx.world_size
         else:
             plans = list(plan.ranks)
     if dist is None:

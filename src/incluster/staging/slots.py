@@ -18,9 +18,11 @@ under ``self._cond``.
 from __future__ import annotations
 
 import enum
+import logging
 import mmap
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +32,8 @@ import torch
 
 from incluster.errors import CheckpointError, PeerTimeoutError
 from incluster.testing import faults
+
+log = logging.getLogger("incluster")
 
 STAGING_PREFIX = ".staging-"
 _SHARD = re.compile(r"^step-(\d{12,})\.safetensors$")
@@ -108,8 +112,19 @@ class SlotRing:
 
     # -- start-up -------------------------------------------------------------------
     def _adopt(self) -> None:
-        """Take over what a previous process left: committed steps stay loadable."""
-        names = set(os.listdir(self.folder))
+        """Take over what a previous process left: committed steps stay loadable. Entries
+        with our names that are not regular files (a symbolic link planted to make a save
+        write elsewhere) are removed, never followed: the link goes, its target stays."""
+        names = set()
+        for n in os.listdir(self.folder):
+            full = os.path.join(self.folder, n)
+            ours = _SHARD.match(n) or n.startswith(STAGING_PREFIX) or n.endswith(".json")
+            if ours and not stat.S_ISREG(os.lstat(full).st_mode):
+                log.warning("incluster: %s is not a regular file (a link?); it is never followed", full)
+                if os.path.islink(full) or not os.path.isdir(full):
+                    os.unlink(full)
+                continue
+            names.add(n)
         shards = {int(m.group(1)): n for n in names if (m := _SHARD.match(n))}
         committed = sorted(step for step in shards if sidecar_file(step) in names)
         for step in committed[-self.keep :]:
