@@ -29,8 +29,9 @@ def start_store(config: Config, rank: int, world_size: int) -> tuple[object, Sto
 
     from incluster.topology import Topology, replica_targets
 
-    nodes: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(config.node, nodes, dst=0)
+    from incluster.recovery.gather import gather_to_zero
+
+    nodes = gather_to_zero(config.node, rank, world_size)  # O(W) bytes in all
     server, plans = None, None
     if nodes is not None:
         topo = Topology.from_nodes(nodes)

@@ -3,12 +3,13 @@
 ``torch.distributed.gather_object`` all-gathers every rank's object size first (W int64s
 to each of W ranks: O(W^2) bytes in all) and pads every object to the largest. Here each
 rank sends rank 0 its own length, then its own pickled bytes, point to point: 2(W-1)
-messages into rank 0 and nothing else moves.
+messages into rank 0 and nothing else moves. Records travel as JSON, not pickle: what a
+peer sends is data (tuples arrive as lists), never code.
 """
 
 from __future__ import annotations
 
-import pickle
+import json
 from typing import Any
 
 import torch
@@ -27,12 +28,12 @@ def _run(ops: list[Any]) -> None:
 
 
 def gather_to_zero(obj: Any, rank: int, world: int) -> list[Any] | None:
-    """Rank 0 gets ``[obj of rank 0, ..., obj of rank W-1]``; the others get None.
-    Only trusted peers of the same job send here (pickle)."""
+    """Rank 0 gets ``[obj of rank 0, ..., obj of rank W-1]`` (JSON round-tripped: tuples
+    arrive as lists); the others get None."""
     if world == 1:
         return [obj]
     dev = _device()
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = json.dumps(obj, separators=(",", ":")).encode()
     if rank != 0:
         _run([dist.P2POp(dist.isend, torch.tensor([len(data)], dtype=torch.int64, device=dev), 0)])
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
@@ -43,7 +44,7 @@ def gather_to_zero(obj: Any, rank: int, world: int) -> list[Any] | None:
     sizes = [int(x.item()) for x in lens]
     bufs = [torch.empty(sizes[r], dtype=torch.uint8, device=dev) for r in range(world)]
     _run([dist.P2POp(dist.irecv, bufs[r], r) for r in range(1, world) if sizes[r]])
-    out: list[Any] = [obj]
+    out: list[Any] = [json.loads(data)]
     for r in range(1, world):
-        out.append(pickle.loads(bufs[r].cpu().numpy().tobytes()))
+        out.append(json.loads(bufs[r].cpu().numpy().tobytes()))
     return out
