@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/reliability_report.py --trials 42 --seed 1
     .venv/bin/python scripts/reliability_report.py --trials 6 --out /tmp/r.md   # a quick look
+    .venv/bin/python scripts/reliability_report.py --from-json bench-results/reliability.json --seed 1 --minutes 30
 
 Each trial is a 4-rank job on simulated nodes with one injected fault (SIGKILLs at named
 phases or at random instants, a silent peer, a full RAM disk, corrupted shards, replicas,
@@ -19,7 +20,7 @@ import platform
 import sys
 import time
 
-from incluster.testing import campaign
+from incluster.testing import campaign, judge
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -95,13 +96,38 @@ def render(results: list[campaign.Result], seed: int, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _dump(results: list[campaign.Result]) -> list[dict[str, object]]:
+    return [{"index": r.trial.index, "kind": r.trial.kind, "seed": r.trial.seed, "fault": r.fault,
+             "restart": r.restart, "ok": r.ok, "hang": r.hang, "checks": r.checks, "runs": r.runs,
+             "seconds": r.seconds, "verdict": r.verdict.__dict__ if r.verdict else None} for r in results]
+
+
+def _load(path: str) -> list[campaign.Result]:
+    """Results written by ``--json`` (to render the report again without re-running)."""
+    out = []
+    for i, d in enumerate(json.load(open(path, encoding="utf-8"))):
+        r = campaign.Result(campaign.Trial(i, d["kind"], d["seed"]), fault=d["fault"], restart=d["restart"],
+                            hang=d["hang"], checks=d["checks"], runs=d["runs"], seconds=d.get("seconds", 0.0))
+        r.verdict = judge.Verdict(**d["verdict"]) if d["verdict"] else None
+        out.append(r)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=len(campaign.KINDS) * 3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "reliability.md"))
     ap.add_argument("--json", help="also write every trial's result here")
+    ap.add_argument("--from-json", help="render the report from an earlier --json file instead of running")
+    ap.add_argument("--minutes", type=float, default=0.0, help="with --from-json: the campaign's duration")
     args = ap.parse_args()
+    if args.from_json:
+        results = _load(args.from_json)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(render(results, args.seed, args.minutes * 60 or sum(r.seconds for r in results)))
+        print(f"wrote {args.out}: {campaign.summary(results)['total']}")
+        return 0
     t0 = time.monotonic()
 
     def progress(r: campaign.Result) -> None:
@@ -116,9 +142,7 @@ def main() -> int:
         f.write(text)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump([{"kind": r.trial.kind, "seed": r.trial.seed, "fault": r.fault, "restart": r.restart,
-                        "ok": r.ok, "hang": r.hang, "checks": r.checks, "runs": r.runs,
-                        "verdict": r.verdict.__dict__ if r.verdict else None} for r in results], f, indent=1)
+            json.dump(_dump(results), f, indent=1)
     total = campaign.summary(results)["total"]
     print(f"wrote {args.out}: {total}")
     return 0 if total["torn"] == total["hangs"] == total["lost"] == 0 else 1

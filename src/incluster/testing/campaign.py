@@ -74,7 +74,8 @@ def plan(trials: int, seed: int) -> list[Trial]:
     while len(out) < trials:
         kinds = list(KINDS)
         rng.shuffle(kinds)
-        out.extend(Trial(len(out) + i, k, rng.randrange(2**31)) for i, k in enumerate(kinds[: trials - len(out)]))
+        base = len(out)
+        out.extend([Trial(base + i, k, rng.randrange(2**31)) for i, k in enumerate(kinds[: trials - base])])
     return out
 
 
