@@ -57,6 +57,8 @@ def main() -> int:
         result["load_error"] = [type(exc).__name__, str(exc)]
         with open(result_path, "w") as f:
             json.dump(result, f)
+        ckpt.close()  # a clean exit: no background thread or process group left to abort
+        dist.destroy_process_group()
         return 3
     result["restore"] = dataclasses.asdict(ckpt.last_restore) if ckpt.last_restore else None
     result["loaded"] = start
