@@ -32,7 +32,8 @@ def _row(cells: list[object]) -> str:
 def render(results: list[campaign.Result], seed: int, seconds: float) -> str:
     s = campaign.summary(results)
     t = s["total"]
-    restores = sum(len(r.runs) - 1 for r in results)
+    restarts = sum(len(r.runs) - 1 for r in results)
+    stepped = sum(1 for r in results if r.verdict and r.verdict.restored is not None and r.ok)
     lines = [
         "# Reliability: the crash campaign",
         "",
@@ -51,12 +52,15 @@ def render(results: list[campaign.Result], seed: int, seconds: float) -> str:
         "",
         "## Totals",
         "",
-        _row(["faults injected", "restores attempted", "restores bitwise-correct", "torn restores",
-              "hangs", "data lost"]),
-        _row(["---:"] * 6),
-        _row([t["trials"], restores, t["correct"], t["torn"], t["hangs"], t["lost"]]),
+        _row(["faults injected", "restarts", "restores judged", "bitwise-correct", "of which a step was loaded",
+              "torn restores", "hangs", "data lost"]),
+        _row(["---:"] * 8),
+        _row([t["trials"], restarts, t["trials"], t["correct"], stepped, t["torn"], t["hangs"], t["lost"]]),
         "",
-        "Torn restores, hangs and data lost must all be 0.",
+        "Torn restores, hangs and data lost must all be 0. Restarts include the restores killed on",
+        "purpose (`kill-during-restore`), each followed by another restart that is judged. When",
+        "the fault hit a job's first save, no complete step existed anywhere: the correct restore",
+        "then loads nothing, and the judge checks exactly that.",
         "",
         "## By fault kind",
         "",

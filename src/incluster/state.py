@@ -250,7 +250,7 @@ class _Loader:
         if "d" in node:
             return self.mapping(node["d"], live, path)
         if "l" in node or "t" in node:
-            items = node.get("l", node.get("t"))
+            items: list[Any] = node["l"] if "l" in node else node["t"]
             lives = list(live) if isinstance(live, (list, tuple)) and len(live) == len(items) else [None] * len(items)
             out = [self.value(n, lv, f"{path}/{i}") for i, (n, lv) in enumerate(zip(items, lives))]
             return tuple(out) if "t" in node else out

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ class TinyGPT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
         h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        mask: torch.Tensor = self.mask  # type: ignore[assignment]  # a registered buffer
+        h = self.blocks(h, mask=mask[:t, :t], is_causal=True)
         return self.head(self.norm(h))
 
 
@@ -93,7 +95,7 @@ def main() -> None:
     model = TinyGPT(dim=args.dim, layers=args.layers).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    state = {"model": model, "optim": optim, "progress": {"step": -1, "tokens": 0}}
+    state: dict[str, Any] = {"model": model, "optim": optim, "progress": {"step": -1, "tokens": 0}}
 
     options = {"max_bytes_per_s": args.persistent_bandwidth * 1e6} if args.persistent_bandwidth else None
     ckpt = incluster.Checkpointer(

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from incluster.errors import CorruptCheckpointError
+from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.recovery.plan import RankPlan
 from incluster.recovery.transfer import Outgoing
 from incluster.staging.slots import SlotRing, sidecar_file, step_file
@@ -78,7 +78,8 @@ def open_outgoing(ctx: Any, mine: RankPlan, report: Any) -> tuple[list[tuple[str
     bad: list[tuple[str, int, int]] = []
     outgoing: list[Outgoing] = []
     step = mine.step
-    assert step is not None
+    if step is None:  # the plan always names a step here
+        raise CheckpointError("restore reached a transfer without a chosen step; please report this")
     for owner in mine.sends:
         folder = rank_folder(ctx.local_dir, ctx.job, owner)
         try:

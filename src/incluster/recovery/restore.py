@@ -172,7 +172,8 @@ class _Run:
     def _transfer(self, mine: RankPlan, outgoing: list[Outgoing]) -> list[tuple[str, int, int]]:
         """Send what I must; receive my shard if the plan says so (and I lack it)."""
         ctx, step = self.ctx, mine.step
-        assert step is not None
+        if step is None:  # the plan always names a step here
+            raise CheckpointError("restore reached a transfer without a chosen step; please report this")
         problem, received = None, None
         wanted = mine.source is not None and self.loaded != step
         try:
@@ -198,7 +199,8 @@ class _Run:
         """Read my node's copy straight into the live state, every chunk checked as it is
         copied; a bad copy is un-committed and reported (the caller re-plans)."""
         ctx, step = self.ctx, mine.step
-        assert step is not None
+        if step is None:  # the plan always names a step here
+            raise CheckpointError("restore reached a transfer without a chosen step; please report this")
         folder = rank_folder(ctx.local_dir, ctx.job, ctx.rank)
         landing = None
         try:

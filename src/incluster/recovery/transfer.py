@@ -221,7 +221,8 @@ class _Receiver:
                 self.ring.release(self.slot)
             return self.problem
         sc, ring, slot = self.sidecar, self.ring, self.slot
-        assert sc is not None
+        if sc is None:  # set by prepare() whenever no problem was found
+            raise CheckpointError("a received shard reached its commit without a sidecar; please report this")
         final = os.path.join(ring.folder, step_file(sc.step))
         os.replace(slot.path, final)  # every byte checked: commit like a local save
         self.sidecar = dataclasses.replace(
