@@ -27,6 +27,7 @@ from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, Tie
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.recovery.restore import Context as RestoreContext
+from incluster.recovery.heal import changing_pointers, optimizers_in
 from incluster.recovery.restore import RestoreReport, restore
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
@@ -92,6 +93,7 @@ class Checkpointer:
         )
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
         self._inflight: StageJob | None = None
+        self._healing: Future[None] | None = None  # a peer restore's heal, on the staging thread
         self._pending: list[SaveHandle] = []
         self._errors: list[tuple[SaveHandle, BaseException]] = []
         self._hooks: dict[int, Any] = {}
@@ -274,7 +276,17 @@ class Checkpointer:
             log.warning("incluster: could not pre-allocate checkpoint slots: %s", exc)
 
     def _pre_step_hook(self, *_: Any) -> None:
-        """Optimizer pre-step: parameters must not change before the save's copy is done."""
+        """Optimizer pre-step: parameters must not change before the save's copy (or a
+        restore's heal) is done."""
+        healing = self._healing
+        if healing is not None and not healing.done():
+            try:
+                healing.result(self.config.slot_timeout_s)
+            except TimeoutError:
+                raise PeerTimeoutError(
+                    f"writing the restored step into this node's RAM disk did not finish within "
+                    f"{self.config.slot_timeout_s:.0f} s; the optimizer step cannot run before it"
+                ) from None
         job = self._inflight
         if job is None or job.staged.done():
             return
@@ -289,10 +301,14 @@ class Checkpointer:
             cuda.wait_on_compute(job.cuda_done)
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the latest save's bytes are copied out; then tensors may change."""
+        """Block until the latest save's bytes are copied out (and a peer restore's copy is
+        written to this node); then tensors may change in any way."""
+        t = timeout if timeout is not None else self.config.slot_timeout_s
+        if self._healing is not None:
+            self._healing.result(t)
         job = self._inflight
         if job is not None:
-            job.staged.result(timeout if timeout is not None else self.config.slot_timeout_s)
+            job.staged.result(t)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is durable; raise the first background error."""
@@ -346,15 +362,40 @@ class Checkpointer:
         )
         report = restore(ctx, state)
         self.last_restore = report
+        heal = ctx.heal
         log.info("%s", report.line())
         self.events.record(
             ev.LOAD, step=report.step, source=report.source, bytes=report.bytes, seconds=report.seconds
         )
         if report.step is not None:
             self.ring.reset_to(report.step)
-            if self.replica_targets or self.world_size > 1:
+            replicate = bool(self.replica_targets or self.world_size > 1)
+            if heal is not None:
+                # The received copy is verified and in place; writing it into this node's
+                # RAM disk overlaps the next forward/backward, behind the pre-step hook.
+                heal.keep_apart(changing_pointers(state, heal.sidecar.tree, allow_pickle=self.config.allow_pickle))
+                for opt in optimizers_in(state):
+                    if id(opt) not in self._hooks:
+                        self._hooks[id(opt)] = opt.register_step_pre_hook(self._pre_step_hook)
+                self._healing = self._stage_pool.submit(self._heal, heal, report.step, replicate)
+            elif replicate:
                 self._writer.replicate(self.folder, report.step)  # heal the replicas, in background
         return report.step
+
+    def _heal(self, heal: Any, step: int, replicate: bool) -> None:
+        """Staging thread, after a peer restore: commit this node's copy, then re-send replicas."""
+        t0 = time.perf_counter()
+        try:
+            faults.check("heal", self.rank, step)
+            heal.heal()
+        except BaseException as exc:  # noqa: BLE001 - the restore itself succeeded; peers still hold copies
+            heal.abandon()
+            log.warning("incluster: rank %d could not write its node's copy of step %d (%s); its replicas "
+                        "elsewhere still hold it, and the next save is written as usual", self.rank, step, exc)
+            return
+        log.info("incluster: rank %d healed its node's copy of step %d in %.3f s", self.rank, step, time.perf_counter() - t0)
+        if replicate:
+            self._writer.replicate(self.folder, step)
 
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:

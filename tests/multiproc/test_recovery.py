@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from incluster.testing import FaultInjector
 from test_multirank import _assert_restored, _run
 
 pytestmark = pytest.mark.multiproc
@@ -126,3 +127,26 @@ def test_a_corrupt_copy_found_in_transfer_falls_back_to_an_older_step_on_every_r
     assert r1["source"] == "peer" and r1["source_node"] == "C" and r1["rounds"] == 2
     assert any("rejected" in n and "checksum mismatch" in n for n in r1["notes"])
     assert second[0]["restore"]["source"] == "local"
+
+
+def test_a_peer_restores_heal_survives_buffers_changing_right_after_the_load(local_dir):
+    """The received copy is written to the new node in the background, while training
+    goes on; BatchNorm buffers change in the first forward pass. The healed copy must
+    still be exactly the restored step: restore from it alone, bitwise."""
+    env = {**THREAD, "BN": "1"}
+    codes, first, job = _run(local_dir, 0, nodes=NODES, env=env)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    shutil.rmtree(os.path.join(local_dir, "B"))
+    after = ["A", "E", "C", "D"]  # the spare E takes B's place: rank 1 receives from a peer
+    slow_heal = FaultInjector().fail_at(phase="heal", action="slow").env()  # the forward pass comes first
+    codes, second, job = _run(local_dir, 1, nodes=after, env={**env, "FORWARD_AFTER_LOAD": "1", **slow_heal})
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(second, first, 4)
+    assert second[1]["restore"]["source"] == "peer"
+    assert "healed its node's copy of step 4" in job.output(1)
+    for node in ("A", "C", "D"):  # every other copy of rank 1's shard is gone: only E's heal is left
+        shutil.rmtree(os.path.join(local_dir, node, "mp", "rank-00001"), ignore_errors=True)
+    codes, third, job = _run(local_dir, 2, nodes=after, env=env)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(third, first, 4)
+    assert third[1]["restore"]["source"] == "local" and third[1]["restore"]["source_node"] == "E"

@@ -5,7 +5,9 @@
 Restores (collectively), trains to STEPS saving every EVERY steps, and writes
 ``OUT_DIR/result-r{rank}-{attempt}.json``: the step restored, a digest of the state
 right after the restore, the digest of the state at each save, and any save errors.
-Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``ATTEMPT``.
+Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``ATTEMPT``, ``BN=1``
+(a BatchNorm layer and a large buffer, both changed in every forward pass), ``FORWARD_AFTER_LOAD=1``
+(one training-mode forward pass right after the restore, before anything waits).
 """
 
 from __future__ import annotations
@@ -36,13 +38,26 @@ def digest(model: torch.nn.Module, optim: torch.optim.Optimizer, extra: dict) ->
     return h.hexdigest()
 
 
+class Tally(torch.nn.Module):
+    """A buffer big enough for a restore to land it straight in place, changed by forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(70_000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        return x
+
+
 def main() -> int:
     out, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    layers = [torch.nn.Linear(32, 64)] + ([torch.nn.BatchNorm1d(64), Tally()] if os.environ.get("BN") else [])
+    model = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(64, 8))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     extra = {"step": -1, "rank": rank}
     state = {"model": model, "optim": optim, "extra": extra}
@@ -63,6 +78,9 @@ def main() -> int:
     result["restore"] = dataclasses.asdict(ckpt.last_restore) if ckpt.last_restore else None
     result["loaded"] = start
     result["loaded_digest"] = digest(model, optim, state["extra"])
+    if os.environ.get("FORWARD_AFTER_LOAD"):
+        with torch.no_grad():
+            model(torch.randn(16, 32) * 10)  # BatchNorm statistics change in place, at once
     g = torch.Generator().manual_seed(rank)
     for step in range((start or 0) + 1, steps + 1):
         model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()

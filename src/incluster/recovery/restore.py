@@ -91,6 +91,7 @@ class Context:
     allow_pickle: bool
     timeout_s: float
     persistent: Any = None  # a FsspecTier, or None
+    heal: Any = None  # out: a received copy (transfer.Received) whose heal is left to the caller
 
 
 def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
@@ -100,11 +101,17 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
     try:
         run.go()
     except CheckpointError as exc:
+        if run.received is not None:
+            run.received.abandon()
         if run.dirty:  # never let a caller mistake a partly overwritten state for an untouched one
             raise CheckpointError(
                 f"{exc}. The live state was already partly overwritten by this restore (by a copy that "
                 f"failed verification or by a step that was then abandoned): rebuild it before training"
             ) from exc
+        raise
+    except BaseException:
+        if run.received is not None:
+            run.received.abandon()
         raise
     report.seconds = time.perf_counter() - t0
     return report
@@ -120,6 +127,7 @@ class _Run:
         self.dirty = False  # the live state holds bytes of a copy or step not (or no longer) chosen
         self.extra: list[tuple[str, list[tuple[int, ...]]]] = []  # rank 0: copies healed so far
         self.exclude: set[tuple[str, int, int]] = set()  # rank 0: bad copies
+        self.received: Any = None  # a verified copy received from a peer, not yet healed
 
     def go(self) -> None:
         ctx, report = self.ctx, self.report
@@ -162,10 +170,12 @@ class _Run:
             elif mine.source is None and self.loaded != mine.step:
                 bad += self._load_local(mine)
             if self._collect(bad, healed):
+                self._heal_now()  # rank 0 now counts my node's copy: it must exist before the next round
                 continue
             report.source = "local" if mine.source is None else "peer"
             report.source_rank, report.source_node = mine.source, mine.source_node
             ctx.ring.set_global(mine.step)
+            ctx.heal, self.received = self.received, None
             return
         raise CheckpointError(f"restore did not settle after {MAX_ROUNDS} rounds of re-planning; see the log for bad copies")
 
@@ -191,9 +201,18 @@ class _Run:
             self.report.notes.append(f"copy from rank {mine.source} rejected: {problem}")
             return [(str(mine.source_node), ctx.rank, step)]
         if received is not None:
-            sc, landing = received
-            self._apply(step, sc, landing)
+            self._heal_now()  # an earlier round's copy, if any, is healed before a new one waits
+            self.received = received
+            if received.landing is None:  # set by prepare() whenever no problem was found
+                raise CheckpointError("a received shard has no landing; please report this")
+            self._apply(step, received.sidecar, received.landing)
         return []
+
+    def _heal_now(self) -> None:
+        """Write and commit the node's copy of what was received, here and now."""
+        received, self.received = self.received, None
+        if received is not None:
+            received.heal()
 
     def _load_local(self, mine: RankPlan) -> list[tuple[str, int, int]]:
         """Read my node's copy straight into the live state, every chunk checked as it is

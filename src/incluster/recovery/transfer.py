@@ -3,11 +3,14 @@
 Three rounds, each posted at once with ``batch_isend_irecv`` so every rank's sends and
 receives run together: (1) sizes; (2) the sidecar, the shard's header and the segment
 table (:mod:`incluster.recovery.landing`); (3) the data segments. The receiver lands
-each segment straight in the live tensor it belongs to (or in scratch memory), hashes it
-as soon as it is in, and writes it into one of its own slot files (healing its node's
-RAM tier: plain writes, so a new file costs no zeroing pass and no page-table walk).
-The slot is committed only when every chunk matched; the caller loads into the state
-only then, and restores from another copy when one did not.
+each segment straight in the live tensor it belongs to (or in scratch memory) and hashes
+it as soon as it is in; the caller loads into the state only when every chunk matched,
+and restores from another copy when one did not.
+
+Healing the receiver's node (writing what it received into one of its own slot files,
+with plain writes, and committing it) is :meth:`Received.heal`: the Checkpointer runs it
+in the background behind the optimizer pre-step hook, as it does a save's copy, so a
+restore returns as soon as the state is verified and in place.
 
 gloo moves CPU tensors: the sender's mapped file goes out as is. NCCL moves GPU tensors:
 the sender stages file -> GPU, the receiver GPU -> its destination.
@@ -79,11 +82,11 @@ def exchange(
     job: str,
     node: str,
     timeout_s: float,
-) -> tuple[str | None, tuple[Sidecar, Landing] | None]:
+) -> tuple[str | None, "Received | None"]:
     """Send ``outgoing`` and, with ``incoming``, receive this rank's shard.
 
-    Returns (why the received copy is unusable, or None; and on success its committed
-    sidecar and the landing to finish the load from)."""
+    Returns (why the received copy is unusable, or None; and on success the verified
+    copy: its sidecar and landing to finish the load from, and its heal still to run)."""
     src = incoming.source if incoming is not None else None
     tables = {id(o): [(s.offset, s.nbytes) for s in segments(o.reader.header)][1:] for o in outgoing}
     # 1. sizes: sidecar, shard, header, segments
@@ -113,7 +116,7 @@ def exchange(
         w.wait()
     recv = None
     if src is not None:
-        recv = _Receiver(rank, step, incoming, ring, job=job, node=node, timeout_s=timeout_s)  # type: ignore[arg-type]
+        recv = Received(rank, step, incoming, ring, job=job, node=node, timeout_s=timeout_s)  # type: ignore[arg-type]
         recv.prepare(bytes(sc_buf.cpu().numpy()), bytes(hdr_buf.cpu().numpy()), tab_buf.cpu().tolist(), size)
     # 3. the data segments
     ops, bufs = [], []
@@ -143,14 +146,15 @@ def exchange(
         for w in rest:
             w.wait()
         problem = recv.finish()
-        return problem, (None if problem else (recv.sidecar, recv.landing))  # type: ignore[return-value]
+        return problem, (None if problem else recv)
     for w in works:
         w.wait()
     return problem, None
 
 
-class _Receiver:
-    """The receiving end of one shard: checks, lands, heals, commits."""
+class Received:
+    """The receiving end of one shard: checks and lands it; :meth:`heal` writes and
+    commits the node's copy later."""
 
     def __init__(self, rank: int, step: int, inc: Incoming, ring: SlotRing, *, job: str, node: str, timeout_s: float) -> None:
         self.rank, self.step, self.inc, self.ring = rank, step, inc, ring
@@ -160,6 +164,7 @@ class _Receiver:
         self.slot: Any = None
         self.landing: Landing | None = None
         self.sidecar: Sidecar | None = None
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (file offset, verified bytes) to write
 
     def prepare(self, raw_sc: bytes, hdr: bytes, tab: list[int], size: int) -> None:
         self.table = [(tab[i], tab[i + 1]) for i in range(0, len(tab), 2)]
@@ -193,22 +198,21 @@ class _Receiver:
             raise
 
     def landed(self, i: int, buf: torch.Tensor) -> None:
-        """Segment ``i`` is in (segments arrive in file order): check it, write it to the slot."""
+        """Segment ``i`` is in (segments arrive in file order): check it; its write waits
+        for :meth:`heal`."""
         if self.problem is not None:
             return
         dest = self.dests[i]
         if buf.device.type == "cuda":
             dest.copy_(buf)
         view = memoryview(dest.numpy())  # type: ignore[arg-type]
-        off = self.table[i][0]
-        for at in range(0, view.nbytes, PIECE):  # hash, then write, each piece while it is in the cache
-            piece = view[at : at + PIECE]
+        for at in range(0, view.nbytes, PIECE):  # each piece hashed while it is in the cache
             try:
-                self.verifier.update(piece)
+                self.verifier.update(view[at : at + PIECE])
             except CorruptCheckpointError as exc:
                 self.problem = str(exc)
                 return
-            self.ring.write_at(self.slot, off + at, [piece])
+        self.pending.append((self.table[i][0], dest))
 
     def finish(self) -> str | None:
         if self.problem is None:
@@ -220,6 +224,19 @@ class _Receiver:
             if self.slot is not None:
                 self.ring.release(self.slot)
             return self.problem
+        return None
+
+    def keep_apart(self, changing: set[int]) -> None:
+        """Copy the verified bytes of live tensors that may change before :meth:`heal`
+        runs (ones the optimizer pre-step hook does not guard: module buffers, plain
+        tensors); ``changing`` holds their data pointers."""
+        self.pending = [(off, t.clone() if t.data_ptr() in changing else t) for off, t in self.pending]
+
+    def heal(self) -> None:
+        """Write the verified bytes into the slot and commit it, like a local save."""
+        for off, t in self.pending:
+            self.ring.write_at(self.slot, off, [t.numpy()])
+        self.pending = []
         sc, ring, slot = self.sidecar, self.ring, self.slot
         if sc is None:  # set by prepare() whenever no problem was found
             raise CheckpointError("a received shard reached its commit without a sidecar; please report this")
@@ -230,4 +247,9 @@ class _Receiver:
         )
         write_sidecar(os.path.join(ring.folder, sidecar_file(sc.step)), self.sidecar)
         ring.mark_committed(slot, sc.step, final)
-        return None
+
+    def abandon(self) -> None:
+        self.pending = []
+        if self.slot is not None:
+            self.ring.release(self.slot)
+            self.slot = None

@@ -10,10 +10,11 @@ the checksum), ``sidecar`` (writer, after the rename, before the commit record),
 ``replicate`` (writer, before exchanging replicas), ``upload`` (writer, after the
 shard's upload, before its sidecar and the manifest), ``load-transfer`` (every rank,
 after the copies are verified, before a restore moves or loads bytes; ``load`` is the
-same), ``allocate`` (creating or growing a slot file, at the ``fallocate`` call).
+same), ``allocate`` (creating or growing a slot file, at the ``fallocate`` call),
+``heal`` (trainer, staging thread, before a peer restore's copy is written to its node).
 
 Actions: ``raise`` (an :class:`InjectedFault`), ``enospc`` (an ``OSError`` with
-``ENOSPC``, as a full RAM disk gives), ``kill`` (SIGKILL of the process at that instant),
+``ENOSPC``, as a full RAM disk gives), ``slow`` (sleep 2 s, then go on: widens a race), ``kill`` (SIGKILL of the process at that instant),
 ``hang`` (touch ``<marker_dir>/fault-<phase>-r<rank>-s<step>`` then sleep, for an outside
 kill: a peer that stops answering).
 """
@@ -29,9 +30,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENV = "INCLUSTER_FAULTS"
-PHASES = ("stage", "commit", "sidecar", "replicate", "upload", "load-transfer", "load", "allocate")
+PHASES = ("stage", "commit", "sidecar", "replicate", "upload", "load-transfer", "load", "allocate", "heal")
 _ALIASES = {"load": "load-transfer"}
-ACTIONS = ("raise", "enospc", "kill", "hang")
+SLOW_S = 2.0
+ACTIONS = ("raise", "enospc", "slow", "kill", "hang")
 
 
 class InjectedFault(OSError):
@@ -108,6 +110,9 @@ def _fire(f: Fault, rank: int, step: int | None) -> Any:
         open(os.path.join(str(f.marker_dir), f"fault-{f.phase}-r{rank}-s{step}"), "w").close()
         while True:
             time.sleep(3600)
+    if f.action == "slow":
+        time.sleep(SLOW_S)
+        return None
     if f.action == "enospc":
         raise InjectedFault(errno.ENOSPC, f"No space left on device (injected at {f.phase}, rank {rank}, step {step})")
     raise InjectedFault(errno.EIO, f"injected fault at {f.phase} (rank {rank}, step {step})")
