@@ -1,7 +1,7 @@
 """How long does recovery take? incluster's restore against the floors and dcp.load.
 
 One run, 4 ranks (gloo on 127.0.0.1, 4 simulated nodes A-D, one rank each, replicas=1,
-writer="thread"), ``--gib`` of float32 tensors per rank (default 1 GiB in 16 tensors,
+writer="thread"), ``--gib`` of float32 parameters per rank (default 1 GiB in 16,
 held in a dict, so every restore copies into the live tensors in place). It measures:
 
   floor, 1 process      one ``copy_`` of the same bytes between two tensors that were
@@ -126,8 +126,10 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
 
 
 def build_state(nbytes: int, n: int, seed: int | None) -> dict[str, Any]:
-    """``{"model": {name: float32 tensor}}`` holding ``nbytes``; every page written once.
-    ``seed`` None: zeros (a live model waiting to be restored into)."""
+    """``{"model": {name: float32 parameter}}`` holding ``nbytes``; every page written once.
+    ``seed`` None: zeros (a live model waiting to be restored into). Parameters, as in a
+    model: a peer restore's background heal reads them in place (the optimizer pre-step
+    hook guards them); plain tensors, which anything may change, it would copy aside first."""
     numel = nbytes // 4
     if n < 1 or numel < n:
         raise ValueError(f"cannot split {nbytes} bytes into {n} float32 tensors")
@@ -142,7 +144,7 @@ def build_state(nbytes: int, n: int, seed: int | None) -> dict[str, Any]:
             t.zero_()
         else:
             t.uniform_(-1.0, 1.0, generator=gen)
-        model[f"layers.{i:02d}.weight"] = t
+        model[f"layers.{i:02d}.weight"] = torch.nn.Parameter(t, requires_grad=False)
     return {"model": model}
 
 

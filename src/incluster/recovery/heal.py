@@ -36,7 +36,9 @@ def _guarded(state: Mapping[str, Any]) -> set[int]:
     """Data pointers that only ``optimizer.step()`` changes: parameters and optimizer state."""
     out: set[int] = set()
     for obj in _walk(state):
-        if isinstance(obj, torch.nn.Module):
+        if isinstance(obj, torch.nn.Parameter):
+            out.add(obj.data_ptr())
+        elif isinstance(obj, torch.nn.Module):
             out.update(p.data_ptr() for p in obj.parameters())
         elif isinstance(obj, torch.optim.Optimizer):
             out.update(p.data_ptr() for g in obj.param_groups for p in g["params"])
