@@ -150,3 +150,18 @@ def test_a_peer_restores_heal_survives_buffers_changing_right_after_the_load(loc
     assert codes == [0] * 4, [job.output(r) for r in range(4)]
     _assert_restored(third, first, 4)
     assert third[1]["restore"]["source"] == "local" and third[1]["restore"]["source_node"] == "E"
+
+
+def test_a_persistent_step_replaces_a_nodes_own_copy_of_it(local_dir, tmp_path):
+    """Rank 1 lost every copy of steps 2 and 4; rank 0 still holds its own. The persistent
+    tier has step 2 complete: every rank downloads it, and rank 0's RAM copy of step 2 is
+    replaced, not an obstacle (found by the crash campaign)."""
+    env = {**THREAD, "INCLUSTER_PERSISTENT": str(tmp_path / "persist")}
+    codes, first, job = _run(local_dir, 0, nodes=["A", "B"], env=env)  # step 2 also goes to the tier
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    for node in ("A", "B"):
+        shutil.rmtree(os.path.join(local_dir, node, "mp", "rank-00001"), ignore_errors=True)
+    codes, second, job = _run(local_dir, 1, nodes=["A", "B"], env=env)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 2)
+    assert all(res["restore"]["source"] == "persistent" for res in second.values())

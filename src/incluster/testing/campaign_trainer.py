@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ def main() -> int:
     try:
         start = ckpt.load(state)
     except incluster.CheckpointError as exc:
-        log("load_error", kind=type(exc).__name__, message=str(exc))
+        log("load_error", kind=type(exc).__name__, message=str(exc), trace=traceback.format_exc()[-3000:])
         return 3
     report = dataclasses.asdict(ckpt.last_restore) if ckpt.last_restore else None
     log("loaded", step=start, digest=digest(state), report=report)
