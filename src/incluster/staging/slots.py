@@ -249,24 +249,7 @@ class SlotRing:
         """Make the slot exactly ``size`` bytes, mapped; returns the uint8 view."""
         if slot.buf is not None and slot.size == size:
             return slot.buf
-        if self._on_unmap is not None and slot.buf is not None:
-            self._on_unmap(slot)
-        slot.unmap()
-        if slot.fd < 0:
-            slot.fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        old = os.fstat(slot.fd).st_size
-        if old > size:
-            os.ftruncate(slot.fd, size)
-        elif old < size:
-            try:
-                faults.check("allocate", self.owner, slot.step)
-                os.posix_fallocate(slot.fd, 0, size)
-            except OSError as exc:
-                raise CheckpointError(
-                    f"cannot allocate {size} bytes for a checkpoint slot in {self.folder}: "
-                    f"{exc.strerror}; free space there (RAM disk full?) or point local_dir elsewhere"
-                ) from None
-        slot.size = size
+        self._resize(slot, size, allocate=True)
         if size:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             slot.mm = mmap.mmap(slot.fd, size, flags=flags)
@@ -283,6 +266,12 @@ class SlotRing:
         it received); returns the slot's fd. Not mapped: pages the file already has are
         overwritten in place, missing ones are allocated by the writes themselves (no
         zeroing pass, no page-table population). The next ``prepare`` maps it."""
+        self._resize(slot, size, allocate=False)
+        return slot.fd
+
+    def _resize(self, slot: Slot, size: int, *, allocate: bool) -> None:
+        """Unmap the slot, open its file (never through a link) and make it ``size``
+        bytes; growing it ``fallocate``-s the new pages when ``allocate``."""
         if self._on_unmap is not None and slot.buf is not None:
             self._on_unmap(slot)
         slot.unmap()
@@ -294,10 +283,11 @@ class SlotRing:
         elif old < size:
             try:
                 faults.check("allocate", self.owner, slot.step)
+                if allocate:
+                    os.posix_fallocate(slot.fd, 0, size)
             except OSError as exc:
                 raise self._no_room(size, exc) from None
         slot.size = size
-        return slot.fd
 
     def write_at(self, slot: Slot, offset: int, pieces: list[Any]) -> int:
         """Write ``pieces`` (buffers) into the slot's file from ``offset``; returns the end."""
