@@ -51,6 +51,8 @@ def test_same_nodes_everything_local():
     plan = make_plan(Topology.from_nodes(["A", "B", "C", "D"]), held)
     assert plan.step == 20
     assert all(p.source is None and p.sends == () for p in plan.ranks)
+    # every rank learns no shard moves, so none waits on a round about senders' copies
+    assert not any(p.transfers for p in plan.ranks)
 
 
 def test_the_talks_scenario_spare_in_and_swap():
@@ -69,6 +71,8 @@ def test_the_talks_scenario_spare_in_and_swap():
     assert plan.ranks[2].source == 3
     assert plan.ranks[3].source is None  # D kept its place
     assert sorted(plan.ranks[0].sends) == [1] and plan.ranks[3].sends == (2,) and plan.ranks[2].sends == (0,)
+    # rank 3 neither sends to itself nor receives, yet must join the senders' round
+    assert all(p.transfers for p in plan.ranks)
 
 
 def test_lost_node_and_its_partner_falls_back_or_reports_missing():

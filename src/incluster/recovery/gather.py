@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 
-def _device() -> torch.device:
+def device_for_collectives() -> torch.device:
+    """Where tensors for the default group's collectives live (CUDA under NCCL)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -32,7 +33,7 @@ def gather_to_zero(obj: Any, rank: int, world: int) -> list[Any] | None:
     arrive as lists); the others get None."""
     if world == 1:
         return [obj]
-    dev = _device()
+    dev = device_for_collectives()
     data = json.dumps(obj, separators=(",", ":")).encode()
     if rank != 0:
         _run([dist.P2POp(dist.isend, torch.tensor([len(data)], dtype=torch.int64, device=dev), 0)])

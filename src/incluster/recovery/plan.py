@@ -28,6 +28,7 @@ class RankPlan:
     source_node: str | None = None  # the node my shard comes from
     persistent: dict | None = None  # type: ignore[type-arg]  # restore from tier 2: my manifest record
     size: int | None = None  # bytes I will receive (so I can prepare the slot early)
+    transfers: bool = True  # some rank receives its shard from a peer in this plan
 
 
 @dataclass
@@ -89,6 +90,7 @@ def make_plan(topo: Topology, holdings: Holdings, exclude: set[tuple[str, int, i
         load[src] += 1
         source[r] = src
         sends[src].append(r)
+    any_transfer = any(s is not None for s in source)
     sizes = {(i[0], i[1]): i[2] for items in holdings.values() for i in items if len(i) > 2}
     ranks = [
         RankPlan(
@@ -97,6 +99,7 @@ def make_plan(topo: Topology, holdings: Holdings, exclude: set[tuple[str, int, i
             tuple(sends[r]),
             topo.node_of[r] if source[r] is None else topo.node_of[source[r]],  # type: ignore[index]
             size=sizes.get((r, step)) if source[r] is not None else None,
+            transfers=any_transfer,
         )
         for r in range(topo.world_size)
     ]

@@ -33,7 +33,7 @@ import torch
 
 from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from incluster.recovery.from_persistent import download, persistent_plan
-from incluster.recovery.gather import gather_to_zero
+from incluster.recovery.gather import device_for_collectives, gather_to_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing
 from incluster.recovery.plan import RankPlan, make_plan
@@ -160,7 +160,7 @@ class _Run:
                 ctx.ring.set_global(mine.step)
                 return
             bad, outgoing = open_outgoing(ctx, mine, report)
-            if self._collect(bad):
+            if mine.transfers and self._collect(bad):  # no rank sends: nobody can have found a bad copy yet
                 for o in outgoing:
                     o.reader.close()
                 continue
@@ -251,23 +251,25 @@ class _Run:
         self.loaded = step
 
     def _collect(self, bad: list[tuple[str, int, int]], healed: tuple[str, int, int, int] | None = None) -> bool:
-        """Share every rank's bad copies (and copies healed by a transfer) with rank 0;
-        True if anyone found a bad one (re-plan). O(W) bytes in all."""
+        """True if any rank found a bad copy (every rank then re-plans). The common case,
+        nobody found one, costs one all-reduce of a count; only then do the bad copies (and
+        the copies healed by a transfer, which the next plan may use) go to rank 0, O(W)
+        bytes in all."""
         ctx = self.ctx
         dist = _dist()
         if dist is None:
             self.exclude.update(bad)
             return bool(bad)
+        count = torch.tensor([len(bad)], dtype=torch.int64, device=device_for_collectives())
+        dist.all_reduce(count)
+        if int(count.item()) == 0:
+            return False
         got = gather_to_zero((bad, healed), ctx.rank, ctx.world_size)
-        count = [0]
-        if got is not None:
-            for b, h in got:
-                self.exclude.update(tuple(x) for x in b)  # type: ignore[misc]
-                count[0] += len(b)
-                if h is not None:
-                    self.extra.append((h[0], [tuple(h[1:])]))
-        dist.broadcast_object_list(count, src=0)
-        return count[0] > 0
+        for b, h in got or ():
+            self.exclude.update(tuple(x) for x in b)  # type: ignore[misc]
+            if h is not None:
+                self.extra.append((h[0], [tuple(h[1:])]))
+        return True
 
 
 def _check_world(sc: Any, ctx: Context, step: int) -> None:
