@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from incluster import config as _config
+from incluster import ramdisk
 from incluster import wiring
 from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, TierUnavailableError, WriterProcessDied
 from incluster.goodput import events as ev
@@ -62,6 +63,8 @@ class Checkpointer:
         self.config = _config.resolve(**options)
         self.rank, self.world_size = _rank_world()
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
+        if self.rank == 0:
+            ramdisk.hint_once(self.config.local_dir)
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
         _refuse_links(os.path.dirname(self.folder), self.folder)
         # With a persistent tier the ring has one more slot: a slow upload never holds up saves.
