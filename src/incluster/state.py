@@ -1,14 +1,10 @@
-"""Flatten a training state into named tensors plus a JSON tree, and load it back in place.
+"""Flatten a training state into named tensors plus a JSON tree (``state_load`` loads it back).
 
 ``flatten`` walks the user's state (Modules, Optimizers, anything Stateful, nested
 dicts/lists/tuples, tensors, DTensors, JSON leaves) and returns the unique tensors to
 store with their names, and a JSON tree that records every container, every leaf value
 and which name each tensor slot refers to. Tensors that are the same view of the same
 storage (tied weights) are stored once and referenced twice.
-
-``load_into`` walks the live state alongside a saved tree and copies stored bytes into
-the live tensors in place, rebuilding what does not exist yet (an optimizer that has not
-stepped) and calling ``load_state_dict`` where the object needs it.
 
 Tree nodes (JSON): ``{"T": name}`` tensor, ``{"D": name, ...placement}`` DTensor shard,
 ``{"P": name}`` pickled object (uint8 bytes, only with ``allow_pickle``),
@@ -22,7 +18,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -45,7 +41,7 @@ class Flat:
     nbytes: int = 0
 
 
-def _escape(part: Any) -> str:
+def escape_part(part: Any) -> str:
     return str(part).replace("%", "%25").replace("/", "%2F")
 
 
@@ -176,7 +172,7 @@ class _Flattener:
                         f"{path or '<state>'}: dict key {k!r} of type {type(k).__name__} cannot be "
                         f"stored; use str or int keys"
                     )
-                items.append([k, self.walk(v, f"{path}/{_escape(k)}" if path else _escape(k))])
+                items.append([k, self.walk(v, f"{path}/{escape_part(k)}" if path else escape_part(k))])
             return {"d": items}
         if isinstance(obj, (list, tuple)):
             tag = "t" if isinstance(obj, tuple) else "l"
@@ -210,219 +206,3 @@ def flatten_snapshot(snap: Any, *, allow_pickle: bool = False) -> Flat:
     with torch.no_grad():
         f.flat.tree = f.walk(snap, "")
     return f.flat
-
-
-Fetch = Callable[[str], torch.Tensor]
-
-
-class _Loader:
-    def __init__(
-        self,
-        fetch: Fetch,
-        allow_pickle: bool,
-        placed: Mapping[str, torch.Tensor] | None = None,
-        collect: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        self.fetch = fetch
-        self.allow_pickle = allow_pickle
-        self.placed = placed or {}  # name -> memory that already holds its stored bytes
-        self.collect = collect  # dry walk: record name -> live tensor, change nothing
-
-    def value(self, node: Any, live: Any, path: str) -> Any:
-        """Rebuild ``node``; tensors are copied into ``live`` in place when it fits."""
-        if not isinstance(node, dict) or len(node) < 1:
-            raise CheckpointError(f"{path}: malformed tree node in the checkpoint record")
-        if "S" in node:
-            if live is None or not is_stateful(live):
-                raise CheckpointError(f"{path}: the checkpoint holds a {node['S']} here; pass the live object")
-            self.stateful(node, live, path)
-            return live
-        if "T" in node:
-            return self.tensor(node["T"], live, path)
-        if "D" in node:
-            dtensor.check_compatible(live, node, path)
-            self.tensor(node["D"], dtensor.local_of(live), path)
-            return live
-        if "v" in node:
-            return node["v"]
-        if "f" in node:
-            return float(node["f"])
-        if "d" in node:
-            return self.mapping(node["d"], live, path)
-        if "l" in node or "t" in node:
-            items: list[Any] = node["l"] if "l" in node else node["t"]
-            lives = list(live) if isinstance(live, (list, tuple)) and len(live) == len(items) else [None] * len(items)
-            out = [self.value(n, lv, f"{path}/{i}") for i, (n, lv) in enumerate(zip(items, lives))]
-            return tuple(out) if "t" in node else out
-        if "P" in node:
-            if self.collect is not None:
-                return None
-            if not self.allow_pickle:
-                raise CheckpointError(
-                    f"{path}: this checkpoint holds a pickled object; loading it can run code. Pass "
-                    f"allow_pickle=True only if you trust whoever wrote this checkpoint"
-                )
-            return pickle.loads(self.fetch(node["P"]).numpy().tobytes())
-        raise CheckpointError(f"{path}: unknown tree node {sorted(node)} in the checkpoint record")
-
-    def tensor(self, name: str, live: Any, path: str) -> torch.Tensor:
-        plain = isinstance(live, torch.Tensor) and not dtensor.is_dtensor(live)
-        if self.collect is not None:
-            if plain:
-                self.collect.setdefault(name, live)
-            return live
-        src = self.placed.get(name)
-        if src is not None and plain and _same_memory(live, src):
-            return live  # its bytes were written straight into this tensor
-        if src is None:
-            src = self.fetch(name)
-        if isinstance(live, torch.Tensor) and not dtensor.is_dtensor(live):
-            if tuple(live.shape) != tuple(src.shape):
-                raise CheckpointError(
-                    f"{path}: the checkpoint holds shape {tuple(src.shape)} but the live tensor is "
-                    f"{tuple(live.shape)}; build the model with the same configuration before loading"
-                )
-            live.copy_(src)
-            return live
-        return src.clone()
-
-    def mapping(self, items: list[Any], live: Any, path: str) -> dict[Any, Any]:
-        live_map = live if isinstance(live, Mapping) else {}
-        out: dict[Any, Any] = {}
-        for key, child in items:
-            sub = f"{path}/{_escape(key)}" if path else _escape(key)
-            out[key] = self.value(child, live_map.get(key), sub)
-        return out
-
-    def stateful(self, node: dict[str, Any], obj: Any, path: str) -> None:
-        live_sd = obj.state_dict()
-        new_sd = self.value(node["v"], live_sd, path)
-        if self.collect is not None:
-            return
-        if node["S"] == "module" and _loaded_in_place(obj, live_sd, new_sd):
-            return  # every value was copied straight into the module's own storage
-        obj.load_state_dict(new_sd)
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.device == b.device
-    )
-
-
-def _loaded_in_place(module: torch.nn.Module, live_sd: Mapping[str, Any], new_sd: Mapping[str, Any]) -> bool:
-    if set(live_sd) != set(new_sd):
-        return False  # let load_state_dict report missing/unexpected keys
-    own = {t.data_ptr() for t in module.parameters()} | {t.data_ptr() for t in module.buffers()}
-    for k, v in new_sd.items():
-        if v is not live_sd[k] or not isinstance(v, torch.Tensor):
-            return False
-        local = dtensor.local_of(v) if dtensor.is_dtensor(v) else v
-        if local.numel() and local.data_ptr() not in own:
-            return False
-    return True
-
-
-def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> None:
-    """Give optimizers that have not stepped yet their state tensors, so load is in place.
-
-    Runs one step with zero gradients and a learning rate of 0 (parameters unchanged),
-    only for optimizers whose live state is empty while the checkpoint has state.
-    """
-    if not isinstance(tree, dict) or "d" not in tree:
-        return
-    for key, node in tree["d"]:
-        obj = state.get(key) if isinstance(state, Mapping) else None
-        if not (isinstance(obj, torch.optim.Optimizer) and isinstance(node, dict) and node.get("S") == "optimizer"):
-            continue
-        saved = dict((k, v) for k, v in node["v"].get("d", []))
-        if obj.state or not saved.get("state", {}).get("d"):
-            continue
-        params = [p for g in obj.param_groups for p in g["params"] if p.requires_grad]
-        grads = [p.grad for p in params]
-        lrs = [g.get("lr") for g in obj.param_groups]
-        try:
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            for g in obj.param_groups:
-                if "lr" in g:
-                    g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-            obj.step()
-        except Exception:  # noqa: BLE001 - e.g. LBFGS needs a closure: fall back to rebuilt tensors
-            obj.state.clear()
-        finally:
-            for g, lr in zip(obj.param_groups, lrs):
-                if lr is not None:
-                    g["lr"] = lr
-            for p, g in zip(params, grads):
-                p.grad = g
-
-
-def _check_tree(state: Mapping[str, Any], tree: Any) -> None:
-    if not isinstance(tree, dict) or "d" not in tree:
-        raise CheckpointError("checkpoint record has no state tree; it was not written by incluster")
-    saved_keys = [k for k, _ in tree["d"]]
-    missing = [k for k in state if k not in saved_keys]
-    if missing:
-        raise CheckpointError(
-            f"the checkpoint has no entry for {missing} (it holds {saved_keys}); load with the "
-            f"same state keys it was saved with"
-        )
-
-
-def live_targets(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """The live tensor that :func:`load_into` would copy each stored tensor into (the same
-    walk, run dry: nothing is copied, no ``load_state_dict`` is called). Optimizers that
-    have not stepped get their state first, as ``load_into`` would give it them.
-
-    A restore may write stored bytes straight into these tensors and then pass them to
-    ``load_into`` as ``placed``; names it cannot place this way are fetched as usual."""
-    _check_tree(state, tree)
-    loader = _Loader(lambda name: torch.empty(0), allow_pickle, collect={})
-    with torch.no_grad():
-        init_lazy_optimizers(state, tree)
-        for key, node in tree["d"]:
-            if key in state:
-                loader.value(node, state[key], _escape(key))
-    return loader.collect or {}
-
-
-def load_into(
-    state: Mapping[str, Any],
-    tree: Any,
-    fetch: Fetch,
-    *,
-    allow_pickle: bool = False,
-    placed: Mapping[str, torch.Tensor] | None = None,
-) -> None:
-    """Restore ``tree`` into the live ``state`` in place; raise naming any mismatch.
-
-    ``placed``: tensors that already hold a stored tensor's bytes (written there by the
-    caller, see :func:`live_targets`); a live tensor that is that very memory is not
-    copied again, any other use of the name copies from it instead of calling ``fetch``."""
-    _check_tree(state, tree)
-    loader = _Loader(fetch, allow_pickle, placed)
-    with torch.no_grad():
-        init_lazy_optimizers(state, tree)
-        for key, node in tree["d"]:
-            if key not in state:
-                continue  # parts the caller did not ask for are left alone
-            live = state[key]
-            restored = loader.value(node, live, _escape(key))
-            if not is_stateful(live) and not isinstance(live, torch.Tensor):
-                _assign(state, key, live, restored)
-
-
-def _assign(state: Any, key: Any, live: Any, restored: Any) -> None:
-    """Put a restored container/leaf back, mutating live dicts/lists so references stay valid."""
-    if isinstance(live, dict) and isinstance(restored, dict):
-        live.clear()
-        live.update(restored)
-    elif isinstance(live, list) and isinstance(restored, list):
-        live[:] = restored
-    else:
-        state[key] = restored

@@ -17,7 +17,8 @@ from incluster.format.reader import parse_header
 from incluster.recovery.gather import gather_to_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.staging.slots import step_file
-from incluster.state import flatten, live_targets, load_into
+from incluster.state import flatten
+from incluster.state_load import live_targets, load_into
 
 from helpers import tiny_model, train
 

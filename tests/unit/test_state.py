@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from incluster.errors import CheckpointError
-from incluster.state import flatten, load_into
+from incluster.state import flatten
+from incluster.state_load import load_into
 
 from helpers import assert_bitwise, clone_state, tiny_model, train
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from incluster.state import live_targets
+from incluster.state_load import live_targets
 
 
 def _walk(obj: Any) -> Iterator[Any]:

@@ -28,7 +28,7 @@ from incluster.errors import CorruptCheckpointError
 from incluster.format.checksum import Checksum, ChunkVerifier
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.reader import ShardHeader
-from incluster.state import live_targets
+from incluster.state_load import live_targets
 
 BIG = 256 * 1024  # tensors at least this big get a segment of their own
 PIECE = 1 << 20  # local reads copy and hash this much at a time (it stays in the cache)

@@ -39,7 +39,7 @@ from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, ope
 from incluster.recovery.plan import RankPlan, make_plan
 from incluster.recovery.transfer import Incoming, Outgoing, exchange
 from incluster.staging.slots import SlotRing
-from incluster.state import load_into
+from incluster.state_load import load_into
 from incluster.testing import faults
 from incluster.tiers.local import open_shard, rank_folder
 from incluster.topology import Topology

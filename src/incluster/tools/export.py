@@ -28,7 +28,7 @@ import torch
 from incluster.errors import CheckpointError
 from incluster.format.dtypes import dtype_name
 from incluster.format.layout import TensorSpec, build_layout
-from incluster.state import _escape
+from incluster.state import escape_part
 from incluster.tools.models import Copy, world_size
 from incluster.tools.scan import open_copy
 from incluster.tools.ui import consoles, human, line, load
@@ -64,7 +64,7 @@ class _Assembler:
             self.walk(node.get("v"), path, reader, rank)
         elif "d" in node:
             for key, child in node["d"]:
-                self.walk(child, f"{path}/{_escape(key)}" if path else _escape(key), reader, rank)
+                self.walk(child, f"{path}/{escape_part(key)}" if path else escape_part(key), reader, rank)
             if not node["d"] and path:
                 self.out.leaves.setdefault(path, {})
         elif "l" in node or "t" in node:
