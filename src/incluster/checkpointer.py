@@ -2,7 +2,7 @@
 
 save:  snapshot (trainer thread, ~ms) -> slot ring -> Stager (staging thread: flatten,
        layout, copy) -> Writer (checksum, rename, sidecar, count in the job store)
-       -> durable once every rank committed the step.
+       -> durable once every rank committed the step (the background half: saving.py).
 load:  the newest step every rank holds and can verify (restore.py) -> copy in place.
 
 IMPORTANT: the constructor and load() are collective when a process group with more
@@ -11,7 +11,6 @@ than one rank exists (every rank must call them); save() never is.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -24,19 +23,19 @@ import torch
 from incluster import config as _config
 from incluster import ramdisk
 from incluster import wiring
-from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, TierUnavailableError, WriterProcessDied
+from incluster.errors import CheckpointError, PeerTimeoutError
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.recovery.restore import Context as RestoreContext
+from incluster.saving import SavePipeline
 from incluster.recovery.heal import changing_pointers, optimizers_in
 from incluster.recovery.restore import RestoreReport, restore
 from incluster.staging.engine import StageJob, Stager
-from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
+from incluster.staging.slots import Slot, SlotRing
 from incluster.state import snapshot
 from incluster.testing import faults
-from incluster.tiers.local import committed_steps, rank_folder
+from incluster.tiers.local import rank_folder
 from incluster.writer.base import Writer
-from incluster.writer.local_commit import CommitRequest
 from incluster.writer.process import ProcessWriter, next_generation
 from incluster.writer.protocol import WriterParams
 from incluster.writer.thread import ThreadWriter
@@ -50,7 +49,7 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-class Checkpointer:
+class Checkpointer(SavePipeline):
     """Asynchronous, rank-local checkpoints in the node's RAM disk.
 
     >>> ckpt = Checkpointer(local_dir="/dev/shm/incluster", job="run-7")
@@ -148,135 +147,6 @@ class Checkpointer:
         """Mark training progress (cheap, buffered) so goodput reports can tell exactly
         how much work a failure cost. Optional."""
         self.events.record(ev.TRAIN_STEP, step=step)
-
-    def _stage(self, job: StageJob, handle: SaveHandle) -> None:
-        """Staging thread: copy, then hand the slot to the writer."""
-        try:
-            faults.check("stage", self.rank, job.step)
-            self._stager.run(job)
-            if job.flat is None or job.layout is None:
-                raise CommitError(f"staging of step {job.step} produced no layout")
-            req = CommitRequest(
-                folder=self.folder,
-                slot=job.slot.index,
-                staging_path=job.slot.path,
-                size=job.layout.total_size,
-                job=self.config.job,
-                step=job.step,
-                rank=self.rank,
-                world_size=self.world_size,
-                node=self.config.node,
-                fingerprint=job.layout.fingerprint,
-                tree=job.flat.tree,
-                fsync=self.config.fsync,
-            )
-        except BaseException as exc:  # noqa: BLE001 - reported through the futures
-            self._fail(job, handle, exc, "staging")
-            return
-        handle.staged_s = time.perf_counter() - handle.started
-        self.events.record(ev.STAGED, step=job.step, seconds=handle.staged_s)
-        self.ring.set_state(job.slot, SlotState.COMMITTING)
-        job.staged.set_result(None)
-        try:
-            local, outcome = self._writer.submit(req, job.slot)
-        except BaseException as exc:  # noqa: BLE001
-            self._fail(job, handle, exc, "commit")
-            return
-        def on_local(f: "Future[tuple[str, bool]]") -> None:
-            self._local_done(job, handle, f)  # always before the outcome is handled
-            outcome.add_done_callback(lambda g: self._outcome(job, handle, g))
-
-        local.add_done_callback(on_local)
-        if not self._warmed:  # right after the first save is handed to the writer, on this
-            self._warmed = True  # thread: the spare slots exist before the second save
-            self._warm(req.size)
-
-    def _local_done(self, job: StageJob, handle: SaveHandle, fut: "Future[tuple[str, bool]]") -> None:
-        if fut.exception() is None:
-            path, persist = fut.result()
-            if persist:
-                with self._lock:
-                    self._uploads[job.step] = (job.slot, handle)
-                self.ring.set_uploading(job.slot, True)
-            else:
-                handle.persisted.set_result(False)
-            self.ring.mark_committed(job.slot, job.step, path)
-            self.events.record(ev.DURABLE, step=job.step, tier="local", seconds=time.perf_counter() - handle.started)
-
-    def _outcome(self, job: StageJob, handle: SaveHandle, fut: "Future[None]") -> None:
-        exc = fut.exception()
-        if exc is not None:
-            # The writer published its own failures; a dead writer could not.
-            self._fail(job, handle, exc, "commit", published=not isinstance(exc, WriterProcessDied))
-            return
-        self.ring.set_global(job.step)
-        self.ring.drop_unheld(job.step)
-        handle.durable_s = time.perf_counter() - handle.started
-        if self.world_size > 1:
-            self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
-        handle.durable.set_result(None)
-
-    def _persisted(self, step: int, err: str | None) -> None:
-        """The writer finished (or skipped) a persistent upload: unpin its slot, report."""
-        with self._lock:
-            slot, handle = self._uploads.pop(step, (None, None))
-        if slot is not None:
-            self.ring.set_uploading(slot, False)
-        if handle is None:
-            return
-        if err is None:
-            self.events.record(ev.DURABLE, step=step, tier="persistent", seconds=time.perf_counter() - handle.started)
-            handle.persisted.set_result(True)
-        elif err.startswith("skipped"):
-            handle.persisted.set_result(False)
-        else:
-            handle.persisted.set_exception(
-                TierUnavailableError(f"step {step} did not reach the persistent tier {self.config.persistent}: {err}")
-            )
-
-    def _fail(
-        self, job: StageJob, handle: SaveHandle, exc: BaseException, phase: str, published: bool = False
-    ) -> None:
-        if not published:  # no rank may wait for a step that failed here
-            self._writer.fail(job.step, f"{phase}: {type(exc).__name__}: {exc}")
-        full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
-        hint = (f"; the RAM disk holding {self.folder} is full: free space there, lower keep or "
-                f"replicas, or point local_dir elsewhere") if full and "free space" not in str(exc) else ""
-        err = exc if isinstance(exc, CheckpointError) and not hint else CommitError(
-            f"saving step {job.step} failed during {phase}: {type(exc).__name__}: {exc}; "
-            f"the previous committed step is intact{hint}"
-        )
-        if err is not exc:
-            err.__cause__ = exc
-        final = os.path.join(self.folder, step_file(job.step))
-        if job.slot.state is SlotState.COMMITTED and job.slot.step == job.step:
-            self.ring.discard(job.step)  # committed here, but not on every rank: never loadable
-        if os.path.exists(final):
-            os.replace(final, os.path.join(self.folder, f".staging-{job.slot.index}"))
-        job.slot.path = os.path.join(self.folder, f".staging-{job.slot.index}")
-        self.ring.release(job.slot)
-        self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
-        with self._lock:
-            self._errors.append((handle, err))
-        for fut in (job.staged, handle.durable):
-            if not fut.done():
-                fut.set_exception(err)
-        if not handle.persisted.done() and job.step not in self._uploads:
-            handle.persisted.set_result(False)
-        job.host_done.set()
-
-    def _warm(self, size: int) -> None:
-        """After the first commit: allocate and map the remaining slots off the hot path."""
-        try:
-            with self.ring._cond:
-                missing = self.ring.keep - len(self.ring.slots)  # keep (+1 with a persistent tier)
-            for _ in range(missing):
-                slot = self.ring.acquire_new()
-                if slot is None:
-                    return
-                self.ring.prepare(slot, size)
-        except Exception as exc:  # noqa: BLE001 - warming is an optimisation only
-            log.warning("incluster: could not pre-allocate checkpoint slots: %s", exc)
 
     def _pre_step_hook(self, *_: Any) -> None:
         """Optimizer pre-step: parameters must not change before the save's copy (or a
