@@ -18,8 +18,6 @@ the sender stages file -> GPU, the receiver GPU -> its destination.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -29,11 +27,11 @@ import torch.distributed as dist
 from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.format.checksum import ChunkVerifier
 from incluster.format.reader import parse_header
-from incluster.format.sidecar import Sidecar, write_sidecar
+from incluster.format.sidecar import Sidecar
 from incluster.recovery.landing import PIECE, Landing, direct_targets, segments
-from incluster.staging.slots import SlotRing, sidecar_file, step_file
+from incluster.staging.slots import SlotRing
 from incluster.tiers.local import ShardReader
-from incluster.writer.local_commit import parse_received_sidecar
+from incluster.writer.local_commit import commit_received, parse_received_sidecar
 
 _MAX_SIDECAR = 256 * 1024 * 1024
 
@@ -237,16 +235,12 @@ class Received:
         for off, t in self.pending:
             self.ring.write_at(self.slot, off, [t.numpy()])
         self.pending = []
-        sc, ring, slot = self.sidecar, self.ring, self.slot
-        if sc is None:  # set by prepare() whenever no problem was found
+        if self.sidecar is None:  # set by prepare() whenever no problem was found
             raise CheckpointError("a received shard reached its commit without a sidecar; please report this")
-        final = os.path.join(ring.folder, step_file(sc.step))
-        os.replace(slot.path, final)  # every byte checked: commit like a local save
-        self.sidecar = dataclasses.replace(
-            sc, shard=step_file(sc.step), node=self.node, extra={**sc.extra, "restored_from_rank": self.inc.source}
+        self.sidecar = commit_received(
+            self.ring, self.slot, self.sidecar, f"rank {self.inc.source}'s copy", node=self.node, verified=True,
+            restored_from_rank=self.inc.source,
         )
-        write_sidecar(os.path.join(ring.folder, sidecar_file(sc.step)), self.sidecar)
-        ring.mark_committed(slot, sc.step, final)
 
     def abandon(self) -> None:
         self.pending = []

@@ -81,11 +81,16 @@ def parse_received_sidecar(raw: bytes, where: str, *, rank: int, step: int, job:
     return sc
 
 
-def commit_received(ring: Any, slot: Any, sc: Sidecar, where: str, *, node: str | None = None, **extra: Any) -> Sidecar:
+def commit_received(
+    ring: Any, slot: Any, sc: Sidecar, where: str, *, node: str | None = None, verified: bool = False, **extra: Any
+) -> Sidecar:
     """Commit a slot filled from elsewhere (a replica, a restore transfer, a download):
     every checksum verified first, then rename and sidecar, exactly like a local save.
+    ``verified``: the caller already checked every chunk of the very bytes it wrote into
+    the slot (a restore hashes them as they land), so they are not read again here.
     The paths are derived here from the step, never taken from the sender."""
-    verify(slot.mm if slot.mm is not None else b"", sc.checksum, where)
+    if not verified:
+        verify(slot.mm if slot.mm is not None else b"", sc.checksum, where)
     final = os.path.join(ring.folder, step_file(sc.step))
     os.replace(slot.path, final)
     changes: dict[str, Any] = {"shard": step_file(sc.step), "extra": {**sc.extra, **extra}}
