@@ -216,3 +216,14 @@ def rss_bytes() -> int | None:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def build_mlp(hidden: int, layers: int) -> torch.nn.Module:
+    """``layers`` x ``Linear(hidden, hidden)`` with a ReLU between each two, seeded with
+    ``torch.manual_seed(0)``: the same weights in every process (like a broadcast
+    initialisation). The training benches' model."""
+    torch.manual_seed(0)
+    mods: list[Any] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods[:-1])
