@@ -88,8 +88,12 @@ class Checkpointer(SavePipeline):
             persist=wiring.persist_params(self.config, self.rank, self.world_size),
         )
         self.replica_targets = targets
+        self._writer_params = params
+        self._writer_lock = threading.Lock()
+        self._writer_restarts = 0
+        self._saves = 0
         self._writer: Writer = (
-            ProcessWriter(params, on_persisted=self._persisted)
+            ProcessWriter(params, on_persisted=self._persisted, on_death=self._writer_died)
             if self.config.writer == "process"
             else ThreadWriter(params, on_persisted=self._persisted)
         )
@@ -122,12 +126,13 @@ class Checkpointer(SavePipeline):
         self._check_usable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int (got {step!r})")
+        ordinal, self._saves = self._saves, self._saves + 1  # counted even if it fails: alike on every rank
         snap, optimizers = snapshot(state, allow_pickle=self.config.allow_pickle)
         for opt in optimizers:
             if id(opt) not in self._hooks:
                 self._hooks[id(opt)] = opt.register_step_pre_hook(self._pre_step_hook)
         slot = self.ring.acquire(step, self.config.slot_timeout_s)
-        job = StageJob(step=step, snap=snap, slot=slot)
+        job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from incluster.staging import cuda
 
@@ -252,7 +257,7 @@ class Checkpointer(SavePipeline):
                         self._hooks[id(opt)] = opt.register_step_pre_hook(self._pre_step_hook)
                 self._healing = self._stage_pool.submit(self._heal, heal, report.step, replicate)
             elif replicate:
-                self._writer.replicate(self.folder, report.step)  # heal the replicas, in background
+                self._replicate_restored(report.step)  # heal the replicas, in background
         return report.step
 
     def _heal(self, heal: Any, step: int, replicate: bool) -> None:
@@ -268,7 +273,13 @@ class Checkpointer(SavePipeline):
             return
         log.info("incluster: rank %d healed its node's copy of step %d in %.3f s", self.rank, step, time.perf_counter() - t0)
         if replicate:
-            self._writer.replicate(self.folder, step)
+            self._replicate_restored(step)
+
+    def _replicate_restored(self, step: int) -> None:
+        try:
+            self._live_writer().replicate(self.folder, step)
+        except CheckpointError as exc:  # the next save replicates anyway, and reports the writer
+            log.warning("incluster: rank %d could not re-send the replicas of step %d: %s", self.rank, step, exc)
 
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:
@@ -283,7 +294,8 @@ class Checkpointer(SavePipeline):
                 h.remove()
             self._hooks.clear()
             self._stage_pool.shutdown(wait=True)
-            self._writer.close(self.config.slot_timeout_s)
+            with self._writer_lock:  # not while a dead writer's successor is starting
+                self._writer.close(self.config.slot_timeout_s)
             self.ring.close()
             wiring.release_store(self._store_server, self._store_address, self.config, self.rank, self.world_size)
             self._store_server = None

@@ -78,11 +78,13 @@ class Uploader:
         self.skipped = 0
         self.failed = 0
 
-    def due(self, step: int) -> bool:
-        """Whether this save goes to the persistent tier: the same answer on every rank."""
+    def due(self, step: int, ordinal: int) -> bool:
+        """Whether this save goes to the persistent tier: the same answer on every rank.
+        ``ordinal`` counts the trainer's save() calls, not this writer's commits: a rank
+        whose commit failed, or whose writer was started again, still agrees."""
         self._saves += 1
         if self.p.interval_s is None:
-            return (self._saves - 1) % self.p.every == 0
+            return ordinal % self.p.every == 0
         # Time-based: rank 0 decides (its clock), every other rank reads its decision.
         key_value = None
         if self.p.rank == 0:

@@ -34,6 +34,23 @@ from incluster.writer.local_commit import commit_received, parse_received_sideca
 
 log = logging.getLogger("incluster")
 _MAX_SIDECAR = 256 * 1024 * 1024
+_SYNC_TAG = 0  # a rebuilt pair's first message (exchange tags are step * 4 + 1..3)
+
+
+def writer_key(job: str, rank: int) -> str:
+    """The store key that says which incarnation of ``rank``'s writer is up: ``"<n>"``,
+    ``"restarting <n>"`` (its trainer is starting incarnation n), or ``"gone"``."""
+    return f"incluster/{job}/writer/{rank}/incarnation"
+
+
+def announce_writer(addr: StoreAddress, job: str, rank: int, state: str, timeout_s: float = 10.0) -> None:
+    """The trainer's word on its writer (``"restarting <n>"`` or ``"gone"``), so partners
+    wait for the new one, or stop waiting, instead of failing step after step."""
+    from torch.distributed import TCPStore
+
+    client = TCPStore(addr.host, addr.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                      wait_for_workers=False)
+    client.set(writer_key(job, rank), state)
 
 
 @dataclass(frozen=True)
@@ -59,25 +76,107 @@ class Replicator:
         node: str,
         keep: int,
         timeout_s: float,
+        incarnation: int = 0,
     ) -> None:
-        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+        from torch.distributed import TCPStore
 
         self.rank, self.job, self.node, self.local_dir = rank, job, node, local_dir
         self.targets = list(targets)
         self.sources = list(sources)
         self.keep = keep
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.incarnation = incarnation
         client = TCPStore(addr.host, addr.port, is_master=False, timeout=self.timeout, wait_for_workers=False)
         self._client = client
         # One two-member gloo group per partner, not one group of all W writers: O(replicas)
-        # connections per writer instead of O(W). Built in ascending (low, high) order on
-        # every writer, so the pairwise rendezvous can never wait in a cycle.
+        # connections per writer instead of O(W).
         self._pairs: dict[int, tuple[Any, int]] = {}
-        for peer in sorted(set(self.targets) | set(self.sources)):
-            lo, hi = min(rank, peer), max(rank, peer)
-            store = PrefixStore(f"incluster/{job}/pair/{lo}-{hi}", client)
-            self._pairs[peer] = (ProcessGroupGloo(store, 0 if rank == lo else 1, 2, self.timeout), 1 if rank == lo else 0)
+        self._peer_gen: dict[int, int] = {}  # the partner's incarnation its pair was built with
+        partners = sorted(set(self.targets) | set(self.sources))
+        client.set(self._gen_key(rank), str(incarnation))
+        client.set(f"{self._gen_key(rank)}/{incarnation}/up", "1")
+        if incarnation == 0:
+            # The job's first writers start together: build every pair now, in ascending
+            # (low, high) order on every writer, so the rendezvous never waits in a cycle.
+            for peer in partners:
+                self._build(peer, 0)  # no step sync: every first writer starts at the same point
+        else:
+            # A writer started again after its predecessor died: each partner sees the new
+            # incarnation at its next exchange, and both sides build the pair then.
+            for peer in partners:
+                gen = self._current_gen(peer, client.get(self._gen_key(peer)))
+                self._peer_gen[peer] = -1 if gen is None else gen
+                if gen is not None:
+                    self._client.set(self._pair_key(peer, gen) + f"/seen-{rank}", "1")
         self.rings: dict[int, SlotRing] = {}
+
+    def _gen_key(self, rank: int) -> str:
+        return writer_key(self.job, rank)
+
+    def _current_gen(self, peer: int, value: bytes) -> int | None:
+        """The partner's writer incarnation, waiting (up to the timeout) while its trainer
+        starts a new one; None if it is gone for good."""
+        text = value.decode()
+        if text == "gone":
+            return None
+        if text.startswith("restarting"):
+            self._client.wait([f"{self._gen_key(peer)}/{text.split()[1]}/up"], self.timeout)
+            return self._current_gen(peer, self._client.get(self._gen_key(peer)))
+        return int(text)
+
+    def _pair_key(self, peer: int, peer_gen: int) -> str:
+        lo, hi = min(self.rank, peer), max(self.rank, peer)
+        if self.incarnation == 0 and peer_gen == 0:
+            return f"incluster/{self.job}/pair/{lo}-{hi}"
+        g_lo, g_hi = (self.incarnation, peer_gen) if self.rank == lo else (peer_gen, self.incarnation)
+        return f"incluster/{self.job}/pair/{lo}-{hi}/{g_lo}-{g_hi}"
+
+    def _build(self, peer: int, peer_gen: int, step: int | None = None) -> int | None:
+        """The two-member group with ``peer`` as it is now. After a restart of either
+        writer, each side first says it has seen this pair of incarnations and waits for
+        the other to say so (so both rendezvous on a fresh prefix once), then they tell
+        each other the step they are exchanging: returns the peer's."""
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        lo = min(self.rank, peer)
+        key = self._pair_key(peer, peer_gen)
+        if self.incarnation or peer_gen:
+            self._client.set(f"{key}/seen-{self.rank}", "1")
+            self._client.wait([f"{key}/seen-{peer}"], self.timeout)
+        pg = ProcessGroupGloo(PrefixStore(key, self._client), 0 if self.rank == lo else 1, 2, self.timeout)
+        self._pairs[peer] = (pg, 1 if self.rank == lo else 0)
+        self._peer_gen[peer] = peer_gen
+        if step is None:
+            return None
+        theirs = torch.zeros(1, dtype=torch.int64)
+        self._wait_all([self._send([torch.tensor([step], dtype=torch.int64)], peer, _SYNC_TAG),
+                        self._recv([theirs], peer, _SYNC_TAG)])
+        return int(theirs[0])
+
+    def _refresh_pairs(self, step: int) -> set[int]:
+        """Before each exchange: one store read says whether a partner's writer was started
+        again (its incarnation changed); that pair is built again, on both sides, before
+        any byte moves (O(replicas) keys, one round trip). Returns the partners to leave
+        out of this step: a new writer that is already past it (its rank failed the step)."""
+        partners = sorted(self._peer_gen)
+        if not partners:
+            return set()
+        values = self._client.multi_get([self._gen_key(p) for p in partners])
+        skip = set()
+        for peer, value in zip(partners, values):
+            gen = self._current_gen(peer, value)
+            if gen is None:  # that rank saves nothing any more: nothing to exchange with it
+                self._pairs.pop(peer, None)
+                skip.add(peer)
+                continue
+            if gen != self._peer_gen[peer] and peer in self._pairs:
+                log.warning("incluster: rank %d: partner rank %d has a new writer; pairing again", self.rank, peer)
+                del self._pairs[peer]
+            if peer not in self._pairs:
+                theirs = self._build(peer, gen, step)
+                if theirs is not None and theirs > step:
+                    skip.add(peer)
+        return skip
 
     def _send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
         pg, other = self._pairs[peer]
@@ -102,12 +201,20 @@ class Replicator:
 
     def exchange(self, step: int, own: OwnShard | None, coord: Coordinator) -> list[int]:
         """Run one step's replication with every partner; returns the owners received."""
-        headers = {src: torch.zeros(3, dtype=torch.int64) for src in self.sources}
+        skip = self._refresh_pairs(step)
+        if skip:
+            coord.failed(step, f"rank {sorted(skip)}'s writer was started again after this step")
+        return self._exchange(step, own, coord, skip)
+
+    def _exchange(self, step: int, own: OwnShard | None, coord: Coordinator, skip: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+        sources = [r for r in self.sources if r not in skip]
+        targets = [r for r in self.targets if r not in skip]
+        headers = {src: torch.zeros(3, dtype=torch.int64) for src in sources}
         mine = torch.tensor([step, len(own.sidecar), own.size] if own else [step, -1, -1], dtype=torch.int64)
         works = [self._recv([t], src, self._tag(step, 1)) for src, t in headers.items()]
-        works += [self._send([mine], dst, self._tag(step, 1)) for dst in self.targets]
+        works += [self._send([mine], dst, self._tag(step, 1)) for dst in targets]
         self._wait_all(works)
-        needs = {dst: torch.zeros(1, dtype=torch.int64) for dst in self.targets}
+        needs = {dst: torch.zeros(1, dtype=torch.int64) for dst in targets}
         answers = {src: torch.tensor([int(self._wants(src, step, h))], dtype=torch.int64) for src, h in headers.items()}
         works = [self._recv([t], dst, self._tag(step, 2)) for dst, t in needs.items()]
         works += [self._send([t], src, self._tag(step, 2)) for src, t in answers.items()]

@@ -9,25 +9,45 @@ caller once, wrapped with what to do.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from incluster.config import Config
 from incluster.errors import CheckpointError, CommitError, TierUnavailableError, WriterProcessDied
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
+from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing, SlotState, step_file
 from incluster.testing import faults
 from incluster.writer.base import Writer
 from incluster.writer.local_commit import CommitRequest
+from incluster.writer.process import ProcessWriter, next_generation
+from incluster.writer.protocol import WriterParams
 
 log = logging.getLogger("incluster")
+MAX_WRITER_RESTARTS = 3  # per Checkpointer: a writer that keeps dying has a cause to find
+
+
+_spawn_pool: ThreadPoolExecutor | None = None
+_spawn_lock = threading.Lock()
+
+
+def _spawner() -> ThreadPoolExecutor:
+    """The thread that starts replacement writers. A writer is killed when the thread that
+    started it exits (PR_SET_PDEATHSIG follows the thread), so that thread must live as
+    long as the process: never a Checkpointer's staging thread, which ends at close()."""
+    global _spawn_pool
+    with _spawn_lock:
+        if _spawn_pool is None:
+            _spawn_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-spawn")
+        return _spawn_pool
 
 
 class SavePipeline:
@@ -46,6 +66,11 @@ class SavePipeline:
     _uploads: dict[int, tuple[Slot, SaveHandle]]
     _errors: list[tuple[SaveHandle, BaseException]]
     _warmed: bool
+    _writer_params: WriterParams
+    _writer_lock: threading.Lock
+    _writer_restarts: int
+    _closed: bool
+    _stage_pool: Any
 
     def _stage(self, job: StageJob, handle: SaveHandle) -> None:
         """Staging thread: copy, then hand the slot to the writer."""
@@ -67,6 +92,7 @@ class SavePipeline:
                 fingerprint=job.layout.fingerprint,
                 tree=job.flat.tree,
                 fsync=self.config.fsync,
+                ordinal=job.ordinal,
             )
         except BaseException as exc:  # noqa: BLE001 - reported through the futures
             self._fail(job, handle, exc, "staging")
@@ -75,14 +101,17 @@ class SavePipeline:
         self.events.record(ev.STAGED, step=job.step, seconds=handle.staged_s)
         self.ring.set_state(job.slot, SlotState.COMMITTING)
         job.staged.set_result(None)
+        writer = self._writer
         try:
-            local, outcome = self._writer.submit(req, job.slot)
+            writer = self._live_writer()
+            local, outcome = writer.submit(req, job.slot)
         except BaseException as exc:  # noqa: BLE001
-            self._fail(job, handle, exc, "commit")
+            self._fail(job, handle, exc, "commit", writer=writer)
             return
+
         def on_local(f: "Future[tuple[str, bool]]") -> None:
             self._local_done(job, handle, f)  # always before the outcome is handled
-            outcome.add_done_callback(lambda g: self._outcome(job, handle, g))
+            outcome.add_done_callback(lambda g: self._outcome(job, handle, g, writer))
 
         local.add_done_callback(on_local)
         if not self._warmed:  # right after the first save is handed to the writer, on this
@@ -101,11 +130,11 @@ class SavePipeline:
             self.ring.mark_committed(job.slot, job.step, path)
             self.events.record(ev.DURABLE, step=job.step, tier="local", seconds=time.perf_counter() - handle.started)
 
-    def _outcome(self, job: StageJob, handle: SaveHandle, fut: "Future[None]") -> None:
+    def _outcome(self, job: StageJob, handle: SaveHandle, fut: "Future[None]", writer: Writer) -> None:
         exc = fut.exception()
         if exc is not None:
             # The writer published its own failures; a dead writer could not.
-            self._fail(job, handle, exc, "commit", published=not isinstance(exc, WriterProcessDied))
+            self._fail(job, handle, exc, "commit", published=not isinstance(exc, WriterProcessDied), writer=writer)
             return
         self.ring.set_global(job.step)
         self.ring.drop_unheld(job.step)
@@ -133,10 +162,16 @@ class SavePipeline:
             )
 
     def _fail(
-        self, job: StageJob, handle: SaveHandle, exc: BaseException, phase: str, published: bool = False
+        self,
+        job: StageJob,
+        handle: SaveHandle,
+        exc: BaseException,
+        phase: str,
+        published: bool = False,
+        writer: Writer | None = None,
     ) -> None:
-        if not published:  # no rank may wait for a step that failed here
-            self._writer.fail(job.step, f"{phase}: {type(exc).__name__}: {exc}")
+        if not published:  # no rank may wait for a step that failed here (told by the step's own writer)
+            (writer or self._writer).fail(job.step, f"{phase}: {type(exc).__name__}: {exc}")
         full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
         hint = (f"; the RAM disk holding {self.folder} is full: free space there, lower keep or "
                 f"replicas, or point local_dir elsewhere") if full and "free space" not in str(exc) else ""
@@ -162,6 +197,62 @@ class SavePipeline:
         if not handle.persisted.done() and job.step not in self._uploads:
             handle.persisted.set_result(False)
         job.host_done.set()
+
+    def _writer_died(self) -> None:
+        """The writer process is gone: start its successor now, in the background, so it
+        is paired with the replication partners before the next save reaches it."""
+        if self._closed:
+            return
+        params = self._writer_params
+        if params.store is not None and (params.targets or params.sources):
+            state = "gone" if self._writer_restarts >= MAX_WRITER_RESTARTS else f"restarting {self._writer_restarts + 1}"
+            try:  # at once, so replication partners wait for the new writer instead of failing
+                announce_writer(params.store, params.job, self.rank, state)
+            except Exception as exc:  # noqa: BLE001 - they then fail a step or two instead
+                log.warning("incluster: rank %d could not tell its partners about its writer: %s", self.rank, exc)
+
+        def replace() -> None:
+            try:
+                self._live_writer()
+            except Exception as exc:  # noqa: BLE001 - the next save reports it
+                log.warning("incluster: rank %d: %s", self.rank, exc)
+
+        try:
+            self._stage_pool.submit(replace)
+        except RuntimeError:  # shutting down
+            pass
+
+    def _live_writer(self) -> Writer:
+        """The writer; if its process died, a new one takes its place (at most
+        ``MAX_WRITER_RESTARTS`` times per Checkpointer). Saves that were in flight are
+        lost - the dead writer's rank already reported them failed - and every later save
+        goes to the new writer, which pairs again with this rank's replication partners."""
+        with self._writer_lock:
+            dead = getattr(self._writer, "dead", None)
+            if dead is None or self._closed:
+                return self._writer
+            if self._writer_restarts >= MAX_WRITER_RESTARTS:
+                raise WriterProcessDied(
+                    f"{dead}. It was started again {self._writer_restarts} times in this job and is not "
+                    f"started again: look for what kills it (its stderr, the kernel log: out of memory?), "
+                    f"then restart the job - it resumes from the newest complete step"
+                )
+            self._writer_restarts += 1
+            with self._lock:
+                uploads = list(self._uploads)
+            for step in uploads:  # their slots must not stay pinned for an upload that is gone
+                self._persisted(step, "the writer process died during the upload")
+            log.warning(
+                "incluster: rank %d: %s; starting a new writer process (%d of at most %d restarts)",
+                self.rank, dead, self._writer_restarts, MAX_WRITER_RESTARTS,
+            )
+            old = self._writer
+            params = dataclasses.replace(self._writer_params, gen=next_generation(), incarnation=self._writer_restarts)
+            self._writer = _spawner().submit(
+                ProcessWriter, params, on_persisted=self._persisted, on_death=self._writer_died
+            ).result()
+            old.close(1.0)
+            return self._writer
 
     def _warm(self, size: int) -> None:
         """After the first commit: allocate and map the remaining slots off the hot path."""

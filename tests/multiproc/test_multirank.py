@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -89,6 +90,26 @@ def test_writer_killed_mid_commit(local_dir):
     codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4)
     assert codes == [0, 0]
     _assert_restored(second, first, 2)
+
+
+def test_a_killed_writer_is_replaced_and_replication_pairs_again(local_dir):
+    """Rank 1's writer is SIGKILLed inside step 4's commit. A new writer takes over; both
+    ranks pair their replication again; later steps are durable everywhere, with the
+    replica of rank 1 on rank 0's node, so losing node n1 afterwards still restores."""
+    fault = FaultInjector().fail_at(rank=1, step=4, phase="commit", action="kill").env()
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], steps=10, rank_env={1: fault})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    for r in (0, 1):
+        failed = set(first[r]["errors"])
+        # step 4 is lost; step 6 too if rank 0 exchanged it before the new writer was up
+        assert "4" in failed and failed <= {"4", "6"}, (r, first[r]["errors"])
+    replica = os.path.join(local_dir, "n0", "mp", "rank-00001", "step-000000000010.json")
+    assert json.load(open(replica))["extra"]["replica_on"] == "n0"
+    shutil.rmtree(os.path.join(local_dir, "n1"))
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n2"], steps=10)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 10)
+    assert second[1]["restore"]["source"] == "peer"
 
 
 def test_trainer_killed_mid_save_no_rank_hangs(local_dir):

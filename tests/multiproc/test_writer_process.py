@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -43,16 +44,60 @@ def test_writer_process_commits_and_is_reused(local_dir):
         assert ck.load(target) == 4 and torch.equal(target["w"], torch.full((1000,), 4.0))
 
 
-def test_killed_writer_is_reported_with_pid_and_signal(local_dir):
+def _wait_for_new_writer(ck, pid, timeout=60):
+    deadline = time.monotonic() + timeout
+    while ck.writer_pid == pid:
+        assert time.monotonic() < deadline, "no new writer process was started"
+        time.sleep(0.05)
+
+
+def test_a_killed_writer_is_replaced_and_later_saves_are_durable(local_dir, caplog):
+    caplog.set_level(logging.WARNING, logger="incluster")
     with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
         ck.save(1, {"w": torch.ones(10)}).wait()
         pid = ck.writer_pid
         os.kill(pid, signal.SIGKILL)
-        time.sleep(0.3)
+        _wait_for_new_writer(ck, pid)
+        assert _alive(ck.writer_pid)
+        ck.save(2, {"w": torch.full((10,), 2.0)}).wait()
+        assert any(f"pid {pid}" in r.getMessage() and "SIGKILL" in r.getMessage() and "new writer" in r.getMessage()
+                   for r in caplog.records)
+    target = {"w": torch.zeros(10)}
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        assert ck.load(target) == 2 and torch.equal(target["w"], torch.full((10,), 2.0))
+
+
+def test_a_save_in_flight_when_the_writer_dies_fails_and_the_next_one_lands(local_dir, monkeypatch):
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="commit", step=2, action="kill").env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait()
+        pid = ck.writer_pid
         with pytest.raises(incluster.WriterProcessDied, match=rf"pid {pid}.*SIGKILL"):
+            ck.save(2, {"w": torch.full((10,), 2.0)}).wait()
+        monkeypatch.delenv("INCLUSTER_FAULTS")  # read by the writer at start: the next one is healthy
+        _wait_for_new_writer(ck, pid)
+        ck.save(3, {"w": torch.full((10,), 3.0)}).wait()
+        assert not os.path.exists(os.path.join(ck.folder, "step-000000000002.json"))
+    target = {"w": torch.zeros(10)}
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        assert ck.load(target) == 3 and torch.equal(target["w"], torch.full((10,), 3.0))
+
+
+def test_a_writer_that_keeps_dying_is_started_again_only_so_often(local_dir):
+    from incluster.saving import MAX_WRITER_RESTARTS
+
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait()
+        for _ in range(MAX_WRITER_RESTARTS):
+            pid = ck.writer_pid
+            os.kill(pid, signal.SIGKILL)
+            _wait_for_new_writer(ck, pid)
+        last = ck.writer_pid
+        os.kill(last, signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(incluster.WriterProcessDied, match=rf"pid {last}.*SIGKILL.*not started again"):
             ck.save(2, {"w": torch.ones(10)}).wait()
-        with pytest.raises(incluster.WriterProcessDied):
-            ck.save(3, {"w": torch.ones(10)}).wait()
+        assert ck.writer_pid == last
         target = {"w": torch.zeros(10)}
         assert ck.load(target) == 1 and torch.equal(target["w"], torch.ones(10))
 

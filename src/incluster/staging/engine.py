@@ -45,6 +45,7 @@ class StageJob:
     staged: Future[None] = field(default_factory=Future)
     flat: Flat | None = None
     layout: Layout | None = None
+    ordinal: int = 0  # how many save() calls this Checkpointer took before this one
 
 
 def make_views(buf: torch.Tensor, layout: Layout) -> list[torch.Tensor]:

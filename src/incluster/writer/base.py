@@ -12,6 +12,11 @@ from incluster.writer.local_commit import CommitRequest
 class Writer(Protocol):
     pid: int | None
 
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the writer is gone (a process writer that died); None while it works."""
+        ...
+
     def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[tuple[str, bool]], Future[None]]":
         """Commit a staged slot. Futures: the local commit (shard path) and the global
         outcome (done when every rank committed the step; CommitError if one failed).

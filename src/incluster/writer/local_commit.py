@@ -38,6 +38,7 @@ class CommitRequest:
     tree: Any
     fsync: bool = False
     chunk: int = DEFAULT_CHUNK
+    ordinal: int = 0  # the save's place among this rank's save() calls: the same on every rank
 
 
 def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:

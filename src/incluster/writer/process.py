@@ -7,7 +7,8 @@ an ``if __name__ == "__main__"`` guard cannot start a second training run by acc
 
 Handshake with a timeout; typed messages with a generation id; a receiver thread turns
 replies into futures. If the writer dies, every pending save fails with
-:class:`WriterProcessDied` carrying its pid and exit code, and so does every later one.
+:class:`WriterProcessDied` carrying its pid and exit code; the Checkpointer then starts a new writer for the
+next save (``Checkpointer._live_writer``).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def _describe(code: int | None) -> str:
 
 
 class ProcessWriter:
-    def __init__(self, params: WriterParams, on_persisted: Any = None, handshake_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, params: WriterParams, on_persisted: Any = None, handshake_timeout_s: float = 120.0, on_death: Any = None
+    ) -> None:
         self.params = params
         self._on_persisted = on_persisted
+        self._on_death_cb = on_death  # called once, on the thread that found the writer gone
         self.gen = params.gen
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
@@ -68,6 +72,7 @@ class ProcessWriter:
         self._seq = itertools.count(1)
         self._dead: WriterProcessDied | None = None
         self._bye = threading.Event()
+        self._gone = threading.Event()  # BYE received, or the process found dead
         self._send(Message(Kind.HELLO, self.gen, payload=params))
         if not self.conn.poll(handshake_timeout_s):
             self.proc.kill()
@@ -85,6 +90,11 @@ class ProcessWriter:
             raise WriterProcessDied(f"the writer process (pid {self.pid}) could not start: {hello.error}")
         self._receiver = threading.Thread(target=self._receive, name="incluster-writer-rx", daemon=True)
         self._receiver.start()
+
+    @property
+    def dead(self) -> WriterProcessDied | None:
+        """Why the writer process is gone; None while it runs."""
+        return self._dead
 
     def _send(self, msg: Message) -> None:
         with self._send_lock:
@@ -140,6 +150,7 @@ class ProcessWriter:
                 continue  # a stale reply: never applied to this writer's saves
             if msg.kind is Kind.BYE:
                 self._bye.set()
+                self._gone.set()
                 continue
             if msg.kind is Kind.PERSISTED:
                 if self._on_persisted is not None:
@@ -173,21 +184,25 @@ class ProcessWriter:
             code = None
         err = WriterProcessDied(
             f"the writer process (pid {self.pid}) {_describe(code)}; saves in flight are lost "
-            f"(committed steps are intact) - create a new Checkpointer or restart the job"
+            f"(committed steps are intact)"
         )
         with self._lock:
             self._dead = err
             pending, self._pending = self._pending, {}
+        self._gone.set()
         for local, outcome in pending.values():
             for f in (local, outcome):
                 if not f.done():
                     f.set_exception(err)
+        cb, self._on_death_cb = self._on_death_cb, None
+        if cb is not None:
+            cb()
 
     def close(self, timeout: float) -> None:
         if self._dead is None and self.proc.poll() is None:
             try:
                 self._send(Message(Kind.SHUTDOWN, self.gen, payload=timeout))
-                self._bye.wait(timeout)
+                self._gone.wait(timeout)  # not the whole timeout if it dies instead of answering
             except OSError:
                 pass
         try:

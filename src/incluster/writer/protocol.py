@@ -54,3 +54,4 @@ class WriterParams:
     node: str = ""
     keep: int = 2
     persist: PersistParams | None = None
+    incarnation: int = 0  # 0: the rank's first writer; n: started again after n deaths

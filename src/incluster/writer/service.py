@@ -59,6 +59,7 @@ class CommitService:
                 node=params.node,
                 keep=params.keep,
                 timeout_s=params.outcome_timeout_s,
+                incarnation=params.incarnation,
             )
 
     def commit(self, req: CommitRequest, buf: Any = None) -> tuple[str, Any, bool]:
@@ -80,7 +81,7 @@ class CommitService:
         from incluster.replication import OwnShard
 
         own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size)
-        persist = self.uploader is not None and self.uploader.due(req.step)
+        persist = self.uploader is not None and self.uploader.due(req.step, req.ordinal)
         return path, own, persist
 
     def upload(self, step: int, own: Any, done: Any) -> bool:

@@ -22,6 +22,7 @@ log = logging.getLogger("incluster")
 
 class ThreadWriter:
     pid: int | None = None
+    dead: BaseException | None = None  # a thread writer dies only with the trainer
 
     def __init__(self, params: WriterParams, on_persisted: Any = None) -> None:
         self._on_persisted = on_persisted
