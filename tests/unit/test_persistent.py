@@ -142,3 +142,23 @@ def test_upload_killed_midway_leaves_no_manifest_and_a_new_writer_uploads_the_ne
     with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
         assert ck.load(target) == 4
     assert torch.equal(target["w"], torch.full((5000,), 4.0))
+
+
+def test_the_upload_schedule_follows_save_calls_not_commits(local_dir, tmp_path, monkeypatch):
+    """A save whose commit fails still counts: the rank stays on the same every-Nth
+    schedule as ranks whose commit of that step worked (else they would upload different
+    steps and neither would ever be complete in the tier)."""
+    root = str(tmp_path / "persist")
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="commit", step=2, action="raise").env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root, persistent_every=2) as ck:
+        persisted = {}
+        for step in range(6):
+            h = ck.save(step, _state(float(step)))
+            try:
+                h.wait()
+            except incluster.CommitError:
+                assert step == 2
+            persisted[step] = h.persisted.result(60)
+    # save() calls 0, 2, 4 are due; the commit of 2 failed, so 0 and 4 are uploaded
+    assert persisted == {0: True, 1: False, 2: False, 3: False, 4: True, 5: False}
+    assert _manifests(root) == ["step-000000000000", "step-000000000004"]
