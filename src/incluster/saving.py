@@ -203,13 +203,8 @@ class SavePipeline:
         is paired with the replication partners before the next save reaches it."""
         if self._closed:
             return
-        params = self._writer_params
-        if params.store is not None and (params.targets or params.sources):
-            state = "gone" if self._writer_restarts >= MAX_WRITER_RESTARTS else f"restarting {self._writer_restarts + 1}"
-            try:  # at once, so replication partners wait for the new writer instead of failing
-                announce_writer(params.store, params.job, self.rank, state)
-            except Exception as exc:  # noqa: BLE001 - they then fail a step or two instead
-                log.warning("incluster: rank %d could not tell its partners about its writer: %s", self.rank, exc)
+        # At once, so replication partners wait for the new writer instead of failing steps.
+        self._announce("gone" if self._writer_restarts >= MAX_WRITER_RESTARTS else f"restarting {self._writer_restarts + 1}")
 
         def replace() -> None:
             try:
@@ -248,11 +243,26 @@ class SavePipeline:
             )
             old = self._writer
             params = dataclasses.replace(self._writer_params, gen=next_generation(), incarnation=self._writer_restarts)
-            self._writer = _spawner().submit(
-                ProcessWriter, params, on_persisted=self._persisted, on_death=self._writer_died
-            ).result()
+            try:
+                self._writer = _spawner().submit(
+                    ProcessWriter, params, on_persisted=self._persisted, on_death=self._writer_died
+                ).result()
+            except BaseException:
+                # Partners wait for the announced incarnation: say which comes next, or that none will.
+                done = self._writer_restarts >= MAX_WRITER_RESTARTS
+                self._announce("gone" if done else f"restarting {self._writer_restarts + 1}")
+                raise
             old.close(1.0)
             return self._writer
+
+    def _announce(self, state: str) -> None:
+        params = self._writer_params
+        if params.store is None or not (params.targets or params.sources):
+            return  # no replication partner waits for this writer
+        try:
+            announce_writer(params.store, params.job, self.rank, state)
+        except Exception as exc:  # noqa: BLE001 - they then fail a step or two instead
+            log.warning("incluster: rank %d could not tell its partners about its writer: %s", self.rank, exc)
 
     def _warm(self, size: int) -> None:
         """After the first commit: allocate and map the remaining slots off the hot path."""
