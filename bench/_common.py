@@ -1,5 +1,6 @@
 """Helpers shared by the benchmarks in ``bench/``: sizes, synthetic states, scratch
-folders in the RAM disk, the copy floor, medians and table printing.
+folders in the RAM disk, the copy floor, medians and table printing, the training
+benches' model and their DCP async-save wrapper (``DcpAsyncSaver``).
 
 Nothing here imports incluster: the helpers measure any checkpointing system alike.
 """
@@ -227,3 +228,105 @@ def build_mlp(hidden: int, layers: int) -> torch.nn.Module:
     for _ in range(layers):
         mods += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
     return torch.nn.Sequential(*mods[:-1])
+
+
+class DcpAsyncSaver:
+    """DCP's ``async_save`` used the way its docs ask: one save in flight, the previous
+    upload waited for first; staging must end before the optimizer changes the state
+    (``wait_staged()``). Keeps the newest two checkpoint folders, removing older ones on
+    a background thread. A bench subclasses it for the shape of its records
+    (``record()``, ``uploaded()``); ``save()`` returns the record and keeps it in
+    ``records``; ``close()`` waits for the last upload and returns the seconds it took.
+
+    ``process``: the process executor (else the thread one); ``stager``: a kept
+    ``DefaultStager`` (else DCP's default); ``remove_old``: whether this rank removes
+    the old folders (one rank is enough on a shared file system).
+    """
+
+    def __init__(self, root: str, *, process: bool, stager: bool = True, process_group: Any = None,
+                 sync_files: bool = True, remove_old: bool = True) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self.root = root
+        self.ctype = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+        self.stager: Any = None
+        if stager:
+            # (pinned, shared, async staging, non-blocking copy): pinned and non-blocking
+            # need an accelerator; shared memory only pays off with the process executor.
+            self.stager = DefaultStager(StagingOptions(False, process, True, False))
+        self.pg = process_group
+        self.sync_files = sync_files
+        self.remove_old = remove_old
+        self.upload: Any = None
+        self.staging: Any = None
+        self.folders: list[str] = []
+        self.cleaner = ThreadPoolExecutor(1)
+        self.records: list[dict[str, Any]] = []
+
+    def record(self, step: int, path: str, t0: float, t1: float, t2: float, wait_prev: float) -> dict[str, Any]:
+        """A new save's record: ``t0`` before waiting for the previous upload, ``t1``
+        right before ``async_save``, ``t2`` right after. Must hold ``staged_s``."""
+        raise NotImplementedError
+
+    def uploaded(self, rec: dict[str, Any], f: Any, seconds: float) -> None:
+        """The save's upload ended (future ``f``), ``seconds`` after ``t1``."""
+        raise NotImplementedError
+
+    def wait_staged(self) -> float:
+        if self.staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.staging.result()
+        self.staging = None
+        return time.perf_counter() - t0
+
+    def save(self, step: int, model: Any, optim: Any) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        wait_prev = 0.0
+        if self.upload is not None:
+            self.upload.result()
+            wait_prev = time.perf_counter() - t0
+        # Keep the newest two checkpoints (like persistent_keep=2); a folder goes once a
+        # newer save is complete everywhere (the previous upload ended on every rank).
+        while len(self.folders) >= 2:
+            old = self.folders.pop(0)
+            if self.remove_old:
+                self.cleaner.submit(shutil.rmtree, old, True)
+        path = os.path.join(self.root, f"step-{step:09d}")
+        self.folders.append(path)
+        sd = {"model": model.state_dict(), "optim": optim.state_dict()}
+        writer = dcp.FileSystemWriter(path, sync_files=self.sync_files)
+        kwargs: dict[str, Any] = {"storage_writer": writer, "async_checkpointer_type": self.ctype}
+        if self.pg is not None:
+            kwargs["process_group"] = self.pg
+        if self.stager is not None:
+            kwargs["async_stager"] = self.stager
+        t1 = time.perf_counter()
+        resp = dcp.async_save(sd, **kwargs)
+        t2 = time.perf_counter()
+        if hasattr(resp, "upload_completion"):
+            self.upload, self.staging = resp.upload_completion, resp.staging_completion
+        else:  # a plain future: staging happened inside the call
+            self.upload, self.staging = resp, None
+        rec = self.record(step, path, t0, t1, t2, wait_prev)
+        if self.staging is not None:
+            self.staging.add_done_callback(lambda _f, r=rec: r.__setitem__("staged_s", time.perf_counter() - t1))
+        else:
+            rec["staged_s"] = t2 - t1
+        self.upload.add_done_callback(lambda f, r=rec: self.uploaded(r, f, time.perf_counter() - t1))
+        self.records.append(rec)
+        return rec
+
+    def close(self) -> float:
+        t0 = time.perf_counter()
+        try:
+            if self.upload is not None:
+                self.upload.result()
+        finally:
+            if self.stager is not None:
+                self.stager.close()
+            self.cleaner.shutdown(wait=True)
+        return time.perf_counter() - t0

@@ -12,12 +12,10 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from _common import build_mlp, loadavg  # noqa: E402 - bench/ is not a package
+from _common import DcpAsyncSaver, build_mlp, loadavg  # noqa: E402 - bench/ is not a package
 
 # kind -> what it does: one of them per worker process; the driver runs them in turn
 CONFIGS: dict[str, str] = {
@@ -39,77 +37,23 @@ def _tree_size(path: str) -> int:
     return n
 
 
-class DcpSaver:
-    """DCP's async_save the way its docs ask: one save in flight, the previous one waited
-    for first; staging must end before the optimizer changes the state."""
+class DcpSaver(DcpAsyncSaver):
+    """DCP's async_save the way its docs ask (``DcpAsyncSaver``): files synced, the
+    default process group, a kept stager; records what the persistent table needs."""
 
     def __init__(self, root: str, kind: str) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        super().__init__(root, process=kind == "dcp.process", stager=True, sync_files=True, remove_old=True)
 
-        self.root = root
-        process = kind == "dcp.process"
-        self.ctype = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
-        # (pinned, shared, async staging, non-blocking copy): pinned and non-blocking need
-        # an accelerator; shared memory only pays off with the process executor.
-        self.stager = DefaultStager(StagingOptions(False, process, True, False))
-        self.upload: Any = None
-        self.staging: Any = None
-        self.folders: list[str] = []
-        self.cleaner = ThreadPoolExecutor(1)
-        self.records: list[dict[str, Any]] = []
+    def record(self, step: int, path: str, t0: float, t1: float, t2: float, wait_prev: float) -> dict[str, Any]:
+        return {"step": step, "call_s": t2 - t1, "wait_prev_s": wait_prev, "save_call_s": t2 - t0,
+                "staged_s": None, "persisted_s": None, "persisted": None, "path": path}
 
-    def wait_staged(self) -> float:
-        if self.staging is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.staging.result()
-        self.staging = None
-        return time.perf_counter() - t0
+    def uploaded(self, rec: dict[str, Any], f: Any, seconds: float) -> None:
+        rec["persisted_s"] = seconds
+        rec["persisted"] = f.exception() is None
 
-    def save(self, step: int, model: Any, optim: Any) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
-
-        t0 = time.perf_counter()
-        wait_prev = 0.0
-        if self.upload is not None:
-            self.upload.result()
-            wait_prev = time.perf_counter() - t0
-        while len(self.folders) >= 2:  # keep the newest two, like persistent_keep=2
-            self.cleaner.submit(shutil.rmtree, self.folders.pop(0), True)
-        path = os.path.join(self.root, f"step-{step:09d}")
-        self.folders.append(path)
-        sd = {"model": model.state_dict(), "optim": optim.state_dict()}
-        writer = dcp.FileSystemWriter(path, sync_files=True)
-        t1 = time.perf_counter()
-        resp = dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=self.ctype, async_stager=self.stager)
-        t2 = time.perf_counter()
-        if hasattr(resp, "upload_completion"):
-            self.upload, self.staging = resp.upload_completion, resp.staging_completion
-        else:  # a plain future: staging happened inside the call
-            self.upload, self.staging = resp, None
-        rec: dict[str, Any] = {"step": step, "call_s": t2 - t1, "wait_prev_s": wait_prev, "save_call_s": t2 - t0,
-                               "staged_s": None, "persisted_s": None, "persisted": None, "path": path}
-        if self.staging is not None:
-            self.staging.add_done_callback(lambda _f, r=rec: r.__setitem__("staged_s", time.perf_counter() - t1))
-        else:
-            rec["staged_s"] = t2 - t1
-
-        def done(f: Any, r: dict[str, Any] = rec) -> None:
-            r["persisted_s"] = time.perf_counter() - t1
-            r["persisted"] = f.exception() is None
-
-        self.upload.add_done_callback(done)
-        self.records.append(rec)
-        return rec
-
-    def close(self) -> None:
-        try:
-            if self.upload is not None:
-                self.upload.result()
-        finally:
-            self.stager.close()
-            self.cleaner.shutdown(wait=True)
+    def close(self) -> None:  # type: ignore[override]
+        super().close()
 
 
 def _init_solo_group() -> None:

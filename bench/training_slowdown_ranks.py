@@ -11,95 +11,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from _common import build_mlp  # noqa: E402 - bench/ is not a package
+from _common import DcpAsyncSaver, build_mlp  # noqa: E402 - bench/ is not a package
 
 
-class DcpSaver:
-    """DCP's async_save, used the way its docs ask: one save in flight, the previous one
-    waited for first; staging must end before the optimizer changes the state."""
+class DcpSaver(DcpAsyncSaver):
+    """DCP's async_save, used the way its docs ask (``DcpAsyncSaver``), on a gloo group
+    of its own; files not synced; only rank 0 removes old folders."""
 
     def __init__(self, root: str, kind: str, rank: int) -> None:
         import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        self.root, self.rank = root, rank
-        process = kind.startswith("dcp.process")
-        self.ctype = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
-        self.stager = None
-        if not kind.endswith(".default"):
-            # (pinned, shared, async staging, non-blocking copy); pinned and non-blocking
-            # need an accelerator. Shared memory only pays off with the process executor.
-            self.stager = DefaultStager(StagingOptions(False, process, True, False))
-        self.pg = dist.new_group(backend="gloo")  # DCP's collectives never meet DDP's
-        self.upload: Any = None
-        self.staging: Any = None
-        self.folders: list[str] = []
-        self.cleaner = ThreadPoolExecutor(1)
-        self.records: list[dict[str, float | None]] = []
+        super().__init__(root, process=kind.startswith("dcp.process"), stager=not kind.endswith(".default"),
+                         process_group=dist.new_group(backend="gloo"),  # DCP's collectives never meet DDP's
+                         sync_files=False, remove_old=rank == 0)
+        self.rank = rank
 
-    def wait_staged(self) -> float:
-        if self.staging is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.staging.result()
-        self.staging = None
-        return time.perf_counter() - t0
+    def record(self, step: int, path: str, t0: float, t1: float, t2: float, wait_prev: float) -> dict[str, Any]:
+        return {"step": step, "blocked_s": t2 - t0, "call_s": t2 - t1, "wait_prev_s": wait_prev,
+                "staged_s": None, "durable_s": None}
 
-    def save(self, step: int, model: Any, optim: Any) -> dict[str, float | None]:
-        import torch.distributed.checkpoint as dcp
-
-        t0 = time.perf_counter()
-        wait_prev = 0.0
-        if self.upload is not None:
-            self.upload.result()
-            wait_prev = time.perf_counter() - t0
-        # Keep the newest two checkpoints; a folder goes once a newer save is complete
-        # everywhere (the previous upload ended on every rank: its collectives did).
-        while len(self.folders) >= 2:
-            old = self.folders.pop(0)
-            if self.rank == 0:
-                self.cleaner.submit(shutil.rmtree, old, True)
-        path = os.path.join(self.root, f"step-{step:09d}")
-        self.folders.append(path)
-        sd = {"model": model.state_dict(), "optim": optim.state_dict()}
-        writer = dcp.FileSystemWriter(path, sync_files=False)
-        kwargs: dict[str, Any] = {"storage_writer": writer, "process_group": self.pg, "async_checkpointer_type": self.ctype}
-        if self.stager is not None:
-            kwargs["async_stager"] = self.stager
-        t1 = time.perf_counter()
-        resp = dcp.async_save(sd, **kwargs)
-        t2 = time.perf_counter()
-        if hasattr(resp, "upload_completion"):
-            self.upload, self.staging = resp.upload_completion, resp.staging_completion
-        else:  # a plain future: staging happened inside the call
-            self.upload, self.staging = resp, None
-        started = t1
-        rec: dict[str, float | None] = {"step": step, "blocked_s": t2 - t0, "call_s": t2 - t1, "wait_prev_s": wait_prev,
-                                        "staged_s": None, "durable_s": None}
-        if self.staging is not None:
-            self.staging.add_done_callback(lambda _f, r=rec: r.__setitem__("staged_s", time.perf_counter() - started))
-        else:
-            rec["staged_s"] = t2 - t1
-        self.upload.add_done_callback(lambda _f, r=rec: r.__setitem__("durable_s", time.perf_counter() - started))
-        self.records.append(rec)
-        return rec
-
-    def close(self) -> float:
-        t0 = time.perf_counter()
-        try:
-            if self.upload is not None:
-                self.upload.result()
-        finally:
-            if self.stager is not None:
-                self.stager.close()
-            self.cleaner.shutdown(wait=True)
-        return time.perf_counter() - t0
+    def uploaded(self, rec: dict[str, Any], f: Any, seconds: float) -> None:
+        rec["durable_s"] = seconds
 
 
 def worker(args: argparse.Namespace) -> int:
