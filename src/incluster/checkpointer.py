@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from incluster import config as _config
-from incluster import ramdisk
+from incluster import ramdisk, reserve
 from incluster import wiring
 from incluster.errors import CheckpointError, PeerTimeoutError
 from incluster.goodput import events as ev
@@ -66,6 +66,7 @@ class Checkpointer(SavePipeline):
             ramdisk.hint_once(self.config.local_dir)
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
         _refuse_links(os.path.dirname(self.folder), self.folder)
+        reserve.ensure(reserve.reserve_path(os.path.dirname(self.folder), self.rank))  # see reserve.py
         # With a persistent tier the ring has one more slot: a slow upload never holds up saves.
         slots = self.config.keep + (1 if self.config.persistent else 0)
         self.ring = SlotRing(self.folder, slots, on_unmap=self._on_unmap)

@@ -56,6 +56,7 @@ def main() -> int:
                 out[f"step{step}"] = [type(exc).__name__, str(exc)]
             if os.path.exists(os.path.join(folder, "filler")):
                 os.unlink(os.path.join(folder, "filler"))
+    out["reserve_back"] = os.path.getsize(os.path.join(folder, "full", ".reserve-00000")) >= 1 << 20
     with open(result_path, "w") as f:
         json.dump(out, f)
     return 0

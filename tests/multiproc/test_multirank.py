@@ -52,7 +52,9 @@ def test_four_ranks_on_two_nodes_thread_writer(local_dir):
     codes, first, job = _run(local_dir, 0, nodes=nodes, rpn=2, env={"WRITER": "thread"})
     assert codes == [0] * 4, [job.output(r) for r in range(4)]
     # node b keeps its own ranks' shards and the replicas of node a's ranks (and vice versa)
-    assert sorted(os.listdir(os.path.join(local_dir, "b", "mp"))) == [f"rank-0000{r}" for r in range(4)]
+    names = sorted(os.listdir(os.path.join(local_dir, "b", "mp")))
+    assert [n for n in names if not n.startswith(".")] == [f"rank-0000{r}" for r in range(4)]
+    assert [n for n in names if n.startswith(".")] == [".reserve-00002", ".reserve-00003"]  # its own ranks' reserves
     for node, owners in (("b", (0, 1)), ("a", (2, 3))):
         for owner in owners:
             sc = json.load(open(os.path.join(local_dir, node, "mp", f"rank-0000{owner}", "step-000000000004.json")))

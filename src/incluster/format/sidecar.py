@@ -8,6 +8,7 @@ DTensor placements, the structure fingerprint and the creation time.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -97,11 +98,15 @@ def write_sidecar(path: str, sidecar: Sidecar, fsync: bool = False) -> None:
     data = json.dumps(sidecar.to_json(), separators=(",", ":")).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, data)
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, f"short write of {path}")
         if fsync:
             os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        os.unlink(tmp)  # no half record left behind (e.g. a full RAM disk)
+        raise
+    os.close(fd)
     os.replace(tmp, path)
     if fsync:
         _fsync_dir(os.path.dirname(path))

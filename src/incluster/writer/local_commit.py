@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from incluster import reserve
 from incluster.errors import CorruptCheckpointError
 from incluster.format.checksum import DEFAULT_CHUNK, compute, verify
 from incluster.format.sidecar import Sidecar, write_sidecar
@@ -64,7 +65,10 @@ def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:
         tree=req.tree,
         created=time.time(),
     )
-    write_sidecar(os.path.join(req.folder, sidecar_file(req.step)), sidecar, fsync=req.fsync)
+    path = os.path.join(req.folder, sidecar_file(req.step))
+    job_folder = os.path.dirname(req.folder)
+    reserve.write_or_spend(lambda: write_sidecar(path, sidecar, fsync=req.fsync), job_folder, req.rank)
+    reserve.ensure(reserve.reserve_path(job_folder, req.rank), 2 * os.path.getsize(path))  # put back, if room
     return final, sidecar
 
 
@@ -98,6 +102,7 @@ def commit_received(
     if node is not None:
         changes["node"] = node
     committed = dataclasses.replace(sc, **changes)
-    write_sidecar(os.path.join(ring.folder, sidecar_file(sc.step)), committed)
+    path = os.path.join(ring.folder, sidecar_file(sc.step))
+    reserve.write_or_spend(lambda: write_sidecar(path, committed), os.path.dirname(ring.folder))
     ring.mark_committed(slot, sc.step, final)
     return committed
