@@ -73,3 +73,31 @@ def test_missing_optional_package_names_the_extra():
             FsspecTier("gs://some-bucket/run")
     else:
         pytest.skip("gcsfs is installed here")
+
+
+@pytest.mark.parametrize("source", ["mapped", "bytes"])
+def test_a_large_write_from_a_mapped_slot_is_whole_with_its_unaligned_tail(tmp_path, local_dir, source):
+    """Large page-aligned buffers (a mapped slot) are written with O_DIRECT where the file
+    system allows, the tail that is not a whole page through the page cache; a read-only
+    buffer always through the page cache. Either way every byte lands."""
+    import mmap
+
+    n = (8 << 20) + 123
+    payload = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
+    if source == "mapped":
+        path = os.path.join(local_dir, "slot")
+        with open(path, "wb") as f:
+            f.write(payload)
+        fd = os.open(path, os.O_RDWR)
+        mm = mmap.mmap(fd, n)
+        os.close(fd)
+        view = memoryview(mm)
+    else:
+        mm, view = None, memoryview(payload)
+    tier = FsspecTier(str(tmp_path / "tier"))
+    tier.write("job/step-1/rank-00000.safetensors", view)
+    assert tier.read("job/step-1/rank-00000.safetensors") == payload
+    assert os.listdir(tmp_path / "tier" / "job" / "step-1") == ["rank-00000.safetensors"]  # no temporary left
+    view.release()
+    if mm is not None:
+        mm.close()

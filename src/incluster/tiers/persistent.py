@@ -9,6 +9,8 @@ reach through an optional package raise :class:`TierUnavailableError` naming the
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import posixpath
 import time
@@ -18,6 +20,17 @@ from incluster.errors import TierUnavailableError
 
 CHUNK = 16 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+_PAGE = 4096
+_DIRECT_MIN = 4 << 20  # smaller writes (sidecars, manifests) go through the page cache
+
+
+def _page_aligned(view: memoryview) -> bool:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % _PAGE == 0
+    except (TypeError, ValueError):  # read-only or not a plain buffer: no O_DIRECT
+        return False
 
 
 def open_tier(spec: Any, options: dict[str, Any] | None = None) -> Any:
@@ -81,10 +94,7 @@ class FsspecTier:
         tmp = f"{full}.tmp-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            done = 0
-            while done < view.nbytes:  # os.write may write less than asked
-                done += os.write(fd, view[done : done + CHUNK])
-                self._pace(t0, done)
+            fd = self._write_all(fd, tmp, view, t0)
             if atomic:
                 os.fsync(fd)
         except BaseException:
@@ -99,6 +109,36 @@ class FsspecTier:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
+
+    def _write_all(self, fd: int, tmp: str, view: memoryview, t0: float) -> int:
+        """Write ``view`` into the new file ``tmp`` (open as ``fd``); returns the fd to
+        close. A large, page-aligned buffer (a mapped slot) goes with O_DIRECT, bypassing
+        the page cache: a new file then costs no fresh page-cache pages (1 GiB of them
+        took ~2.6 s to touch on the machine this was measured on; 528 MiB were written in
+        0.17 s direct against 1.5 s buffered) and evicts nothing. The unaligned tail, and
+        anything O_DIRECT refuses, is written through the page cache."""
+        done, direct = 0, 0
+        if view.nbytes >= _DIRECT_MIN and _page_aligned(view) and hasattr(os, "O_DIRECT"):
+            try:
+                dfd = os.open(tmp, os.O_WRONLY | os.O_DIRECT)
+            except OSError:  # e.g. a filesystem without O_DIRECT
+                dfd = -1
+            if dfd >= 0:
+                direct = view.nbytes - view.nbytes % _PAGE
+                try:
+                    while done < direct:
+                        done += os.write(dfd, view[done : min(direct, done + CHUNK)])
+                        self._pace(t0, done)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        os.close(dfd)
+                        raise
+                    done = 0  # refused after all: write it all through the page cache
+                os.close(dfd)
+        while done < view.nbytes:  # os.write may write less than asked
+            done += os.pwrite(fd, view[done : done + CHUNK], done)
+            self._pace(t0, done)
+        return fd
 
     def read(self, path: str, into: memoryview | None = None) -> bytes | int:
         full = self._p(path)
