@@ -106,8 +106,6 @@ class Replicator:
             for peer in partners:
                 gen = self._current_gen(peer, client.get(self._gen_key(peer)))
                 self._peer_gen[peer] = -1 if gen is None else gen
-                if gen is not None:
-                    self._client.set(self._pair_key(peer, gen) + f"/seen-{rank}", "1")
         self.rings: dict[int, SlotRing] = {}
 
     def _gen_key(self, rank: int) -> str:
@@ -206,7 +204,7 @@ class Replicator:
             coord.failed(step, f"rank {sorted(skip)}'s writer was started again after this step")
         return self._exchange(step, own, coord, skip)
 
-    def _exchange(self, step: int, own: OwnShard | None, coord: Coordinator, skip: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    def _exchange(self, step: int, own: OwnShard | None, coord: Coordinator, skip: set[int]) -> list[int]:
         sources = [r for r in self.sources if r not in skip]
         targets = [r for r in self.targets if r not in skip]
         headers = {src: torch.zeros(3, dtype=torch.int64) for src in sources}

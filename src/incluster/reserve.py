@@ -52,13 +52,12 @@ def ensure(path: str, nbytes: int = MIN_BYTES) -> bool:
 
 def spend(job_folder: str, prefer_rank: int | None = None) -> bool:
     """Remove one reserve file of this job (this rank's first); False if none is left."""
-    names = []
     try:
         names = sorted(n for n in os.listdir(job_folder) if n.startswith(_PREFIX))
     except OSError:
         return False
-    if prefer_rank is not None and f"{_PREFIX}{prefer_rank:05d}" in names:
-        names.insert(0, f"{_PREFIX}{prefer_rank:05d}")
+    mine = f"{_PREFIX}{prefer_rank:05d}" if prefer_rank is not None else None
+    names.sort(key=lambda n: n != mine)  # this rank's own reserve first
     for name in names:
         try:
             os.unlink(os.path.join(job_folder, name))

@@ -28,6 +28,7 @@ from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.format.checksum import ChunkVerifier
 from incluster.format.reader import parse_header
 from incluster.format.sidecar import Sidecar
+from incluster.recovery.gather import device_for_collectives
 from incluster.recovery.landing import PIECE, Landing, direct_targets, segments
 from incluster.staging.slots import SlotRing
 from incluster.tiers.local import ShardReader
@@ -58,12 +59,11 @@ def _nccl() -> bool:
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.device("cuda", torch.cuda.current_device())) if _nccl() else t
+    return t.to(device_for_collectives())
 
 
 def _empty(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
-    return torch.empty(n, dtype=dtype, device=dev)
+    return torch.empty(n, dtype=dtype, device=device_for_collectives())
 
 
 def _wait(ops: list[Any]) -> list[Any]:
