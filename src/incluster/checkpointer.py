@@ -28,7 +28,8 @@ from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.recovery.restore import Context as RestoreContext
 from incluster.saving import SavePipeline
-from incluster.recovery.heal import changing_pointers, optimizers_in
+from incluster.recovery.heal import changing_pointers
+from incluster.guard import StepGuard
 from incluster.recovery.restore import RestoreReport, restore
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing
@@ -103,7 +104,8 @@ class Checkpointer(SavePipeline):
         self._healing: Future[None] | None = None  # a peer restore's heal, on the staging thread
         self._pending: list[SaveHandle] = []
         self._errors: list[tuple[SaveHandle, BaseException]] = []
-        self._hooks: dict[int, Any] = {}
+        self._guard = StepGuard(self._pre_step_hook)  # every optimizer step in the process
+        self._unguarded_warned = False
         self._lock = threading.Lock()
         self._closed = False
         self._warmed = False
@@ -128,10 +130,9 @@ class Checkpointer(SavePipeline):
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int (got {step!r})")
         ordinal, self._saves = self._saves, self._saves + 1  # counted even if it fails: alike on every rank
-        snap, optimizers = snapshot(state, allow_pickle=self.config.allow_pickle)
-        for opt in optimizers:
-            if id(opt) not in self._hooks:
-                self._hooks[id(opt)] = opt.register_step_pre_hook(self._pre_step_hook)
+        snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers)
+        if left and not self._unguarded_warned:
+            self._warn_unguarded(left)
         slot = self.ring.acquire(step, self.config.slot_timeout_s)
         job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -148,6 +149,16 @@ class Checkpointer(SavePipeline):
         handle.blocked_s = time.perf_counter() - t0
         self.events.record(ev.SAVE, step=step, blocked_s=handle.blocked_s)
         return handle
+
+    def _warn_unguarded(self, left: list[torch.Tensor]) -> None:
+        self._unguarded_warned = True
+        log.warning(
+            "incluster: %d tensor(s) of %.1f MiB in the saved state are neither parameters nor state "
+            "of an optimizer seen stepping, and too large to copy at save() time; they are copied "
+            "in the background: change them only after handle.staged (ckpt.wait_staged()). "
+            "Tensors that never change (frozen weights) need nothing. Said once.",
+            len(left), sum(t.nbytes for t in left) / 2**20,
+        )
 
     def record_step(self, step: int) -> None:
         """Mark training progress (cheap, buffered) so goodput reports can tell exactly
@@ -253,9 +264,6 @@ class Checkpointer(SavePipeline):
                 # The received copy is verified and in place; writing it into this node's
                 # RAM disk overlaps the next forward/backward, behind the pre-step hook.
                 heal.keep_apart(changing_pointers(state, heal.sidecar.tree, allow_pickle=self.config.allow_pickle))
-                for opt in optimizers_in(state):
-                    if id(opt) not in self._hooks:
-                        self._hooks[id(opt)] = opt.register_step_pre_hook(self._pre_step_hook)
                 self._healing = self._stage_pool.submit(self._heal, heal, report.step, replicate)
             elif replicate:
                 self._replicate_restored(report.step)  # heal the replicas, in background
@@ -291,9 +299,7 @@ class Checkpointer(SavePipeline):
             self.wait()
         finally:
             self._closed = True
-            for h in self._hooks.values():
-                h.remove()
-            self._hooks.clear()
+            self._guard.close()
             self._stage_pool.shutdown(wait=True)
             with self._writer_lock:  # not while a dead writer's successor is starting
                 self._writer.close(self.config.slot_timeout_s)

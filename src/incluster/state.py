@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -26,6 +26,7 @@ from incluster import dtensor
 from incluster.errors import CheckpointError
 from incluster.format.dtypes import dtype_name
 from incluster.format.layout import TensorSpec
+from incluster import guard
 
 _SCALARS = (str, int, bool, type(None))
 
@@ -76,11 +77,30 @@ class _Rejected(Exception):
     pass
 
 
-def snapshot(state: Mapping[str, Any], *, allow_pickle: bool = False) -> tuple[Any, list[torch.optim.Optimizer]]:
+class _Root:
+    """What ``snapshot`` returns: the captured tree plus the save-time clones of the
+    tensors no optimizer step guards (by data pointer; the flattener swaps them in)."""
+
+    __slots__ = ("tree", "clones")
+
+    def __init__(self, tree: Any, clones: dict[int, torch.Tensor]) -> None:
+        self.tree, self.clones = tree, clones
+
+
+def snapshot(
+    state: Mapping[str, Any],
+    *,
+    allow_pickle: bool = False,
+    guarded: Callable[[list[torch.optim.Optimizer]], set[int]] | None = None,
+    clone_limit: int | None = None,
+) -> tuple[Any, list[torch.optim.Optimizer], list[torch.Tensor]]:
     """The cheap, synchronous half of a save: capture every value that may change next.
 
-    Containers are rebuilt and JSON leaves captured; tensors are kept by reference.
-    Returns the snapshot and the optimizers found (their pre-step hook guards staging).
+    Containers are rebuilt and JSON leaves captured; tensors are kept by reference, except
+    those that may change before the next optimizer step: module buffers, and - when
+    ``guarded`` says which data pointers only an optimizer step changes - every other
+    tensor outside that set, cloned up to ``clone_limit`` bytes per save (default ``guard.CLONE_LIMIT``).
+    Returns the snapshot, the optimizers found, and the unguarded tensors left uncloned.
     """
     if not isinstance(state, Mapping):
         raise CheckpointError(
@@ -88,24 +108,45 @@ def snapshot(state: Mapping[str, Any], *, allow_pickle: bool = False) -> tuple[A
             f"not a {type(state).__name__}"
         )
     optimizers: list[torch.optim.Optimizer] = []
+    bare: list[torch.Tensor] = []
     with torch.no_grad():
         try:
-            snap = _capture(state, optimizers, allow_pickle)
+            tree = _capture(state, optimizers, allow_pickle, bare)
         except _Rejected:
             flatten_snapshot(state)  # walks again with paths, raising the precise error
             raise
-    return snap, optimizers
+        clones: dict[int, torch.Tensor] = {}
+        left: list[torch.Tensor] = []
+        if guarded is not None and bare:
+            safe = guarded(optimizers)
+            budget = guard.CLONE_LIMIT if clone_limit is None else clone_limit
+            for t in bare:
+                ptr = t.data_ptr()
+                if ptr == 0 or ptr in safe or ptr in clones:
+                    continue
+                if t.nbytes <= budget:
+                    clones[ptr] = t.detach().clone()
+                    budget -= t.nbytes
+                else:
+                    left.append(t)
+    return _Root(tree, clones), optimizers, left
 
 
-def _capture(obj: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bool = True) -> Any:
-    if isinstance(obj, torch.Tensor) or isinstance(obj, (str, int, float, type(None))):
+def _capture(
+    obj: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bool = True, bare: list[torch.Tensor] | None = None
+) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if bare is not None and obj.numel():
+            bare.append(obj)
+        return obj
+    if isinstance(obj, (str, int, float, type(None))):
         return obj
     if isinstance(obj, Mapping):
-        return {k: _capture(v, optimizers, allow_pickle) for k, v in obj.items()}
+        return {k: _capture(v, optimizers, allow_pickle, bare) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_capture(v, optimizers, allow_pickle) for v in obj]
+        return [_capture(v, optimizers, allow_pickle, bare) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_capture(v, optimizers, allow_pickle) for v in obj)
+        return tuple(_capture(v, optimizers, allow_pickle, bare) for v in obj)
     if isinstance(obj, torch.nn.Module):
         buffers = {b.data_ptr(): b.clone() for b in obj.buffers() if b.numel() > 0}
         return _Captured("module", obj.state_dict(), buffers)
@@ -113,7 +154,7 @@ def _capture(obj: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bo
         optimizers.append(obj)
         return _Captured("optimizer", obj.state_dict(), {})
     if is_stateful(obj):
-        return _Captured("stateful", _capture(obj.state_dict(), optimizers, allow_pickle), {})
+        return _Captured("stateful", _capture(obj.state_dict(), optimizers, allow_pickle, bare), {})
     if not allow_pickle:
         raise _Rejected
     return obj  # pickled by flatten
@@ -194,7 +235,7 @@ class _Flattener:
 
 def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> Flat:
     """Snapshot and flatten ``state`` in one go. Raises CheckpointError naming the path."""
-    snap, optimizers = snapshot(state, allow_pickle=allow_pickle)
+    snap, optimizers, _ = snapshot(state, allow_pickle=allow_pickle)
     flat = flatten_snapshot(snap, allow_pickle=allow_pickle)
     flat.optimizers = optimizers
     return flat
@@ -203,6 +244,9 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> Flat:
 def flatten_snapshot(snap: Any, *, allow_pickle: bool = False) -> Flat:
     """The slow half of a save (staging thread): names, specs, tied tensors, the tree."""
     f = _Flattener(allow_pickle)
+    if isinstance(snap, _Root):
+        f.buffers.update(snap.clones)
+        snap = snap.tree
     with torch.no_grad():
         f.flat.tree = f.walk(snap, "")
     return f.flat

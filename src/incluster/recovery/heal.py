@@ -28,10 +28,6 @@ def _walk(obj: Any) -> Iterator[Any]:
             yield from _walk(v)
 
 
-def optimizers_in(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
-    return [o for o in _walk(state) if isinstance(o, torch.optim.Optimizer)]
-
-
 def _guarded(state: Mapping[str, Any]) -> set[int]:
     """Data pointers that only ``optimizer.step()`` changes: parameters and optimizer state."""
     out: set[int] = set()

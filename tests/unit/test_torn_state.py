@@ -1,0 +1,149 @@
+"""No torn state, whatever shape the state comes in: the optimizer steps right after
+``save()`` returns, while staging is deliberately slow, and the saved bytes must be the
+values at ``save()`` time."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import incluster
+from incluster.staging.engine import Stager
+from incluster.state import flatten
+from incluster.tiers.local import ShardReader
+
+from helpers import tiny_model, train
+
+
+@pytest.fixture
+def slow_staging(monkeypatch):
+    """Staging starts 0.3 s late: an optimizer step that does not wait lands in the copy."""
+    run = Stager.run
+
+    def late(self, job):
+        time.sleep(0.3)
+        return run(self, job)
+
+    monkeypatch.setattr(Stager, "run", late)
+
+
+def _model_and_optim():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    return m, o
+
+
+def _grads(m):
+    m(torch.randn(16, 64)).pow(2).mean().backward()
+
+
+def _assert_shard_is(folder, step, expected):
+    flat = flatten(expected)
+    with ShardReader(folder, step) as r:
+        differ = [s.name for s, t in zip(flat.specs, flat.tensors) if not torch.equal(r.tensor(s.name), t)]
+    assert not differ, f"{len(differ)} of {len(flat.specs)} tensors hold values from after save(): {differ[:4]}"
+
+
+def _ckpt(local_dir):
+    return incluster.Checkpointer(local_dir=local_dir, job="torn", writer="thread")
+
+
+def test_plain_dicts_from_get_state_dict_are_not_torn(local_dir, slow_staging):
+    m, o = _model_and_optim()
+    with _ckpt(local_dir) as ck:
+        _grads(m)
+        o.step()  # seen stepping: its parameters and state are not copied at save() time
+        o.zero_grad()
+        msd, osd = get_state_dict(m, o)
+        expected = copy.deepcopy({"model": msd, "optim": osd})
+        _grads(m)  # the next step's gradients are ready
+        h = ck.save(1, {"model": msd, "optim": osd})
+        o.step()  # right after save() returns: must wait for staging
+        h.wait()
+        _assert_shard_is(ck.folder, 1, expected)
+
+
+class AppState:
+    """The torchtitan / DCP-tutorial pattern: a Stateful wrapper over get_state_dict."""
+
+    def __init__(self, m, o):
+        self.m, self.o = m, o
+
+    def state_dict(self):
+        msd, osd = get_state_dict(self.m, self.o)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, sd):  # pragma: no cover - not loaded here
+        raise NotImplementedError
+
+
+def test_stateful_app_state_is_not_torn(local_dir, slow_staging):
+    m, o = _model_and_optim()
+    with _ckpt(local_dir) as ck:
+        _grads(m)
+        o.step()
+        o.zero_grad()
+        app = AppState(m, o)
+        expected = copy.deepcopy(app.state_dict())
+        _grads(m)
+        h = ck.save(1, {"app": app})
+        o.step()
+        h.wait()
+        _assert_shard_is(ck.folder, 1, {"app": expected})
+
+
+def test_buffers_in_a_plain_state_dict_keep_their_save_time_values(local_dir, slow_staging):
+    m = tiny_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    train(m, o, 1)
+    with _ckpt(local_dir) as ck:
+        sd = m.state_dict()
+        expected = {"model": {k: v.clone() for k, v in sd.items()}}
+        h = ck.save(1, {"model": sd})
+        m(torch.randn(8, 16) * 100)  # forward right after save(): BatchNorm statistics change
+        h.wait()
+        _assert_shard_is(ck.folder, 1, expected)
+
+
+def test_tensors_of_an_optimizer_not_yet_seen_are_copied_at_save_time(local_dir, slow_staging):
+    """An optimizer that stepped before the Checkpointer existed: its parameters are not
+    known to be guarded yet, so they are cloned at save() (the hook guards them anyway)."""
+    m, o = _model_and_optim()
+    _grads(m)
+    o.step()
+    o.zero_grad()
+    with _ckpt(local_dir) as ck:
+        msd, osd = get_state_dict(m, o)
+        expected = copy.deepcopy({"model": msd, "optim": osd})
+        h = ck.save(1, {"model": msd, "optim": osd})
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)  # not an optimizer step: no hook waits
+        h.wait()
+        _assert_shard_is(ck.folder, 1, expected)
+
+
+def test_large_unguarded_tensors_are_named_once(local_dir, monkeypatch, caplog):
+    monkeypatch.setattr(incluster.guard, "CLONE_LIMIT", 1024)
+    big = {"w": torch.zeros(4096)}
+    with _ckpt(local_dir) as ck, caplog.at_level(logging.WARNING, logger="incluster"):
+        ck.save(1, big).wait()
+        ck.save(2, big).wait()
+    said = [r for r in caplog.records if "wait_staged" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_the_step_hook_is_global_and_goes_at_close(local_dir):
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    before = len(_global_optimizer_pre_hooks)
+    ck = _ckpt(local_dir)
+    assert len(_global_optimizer_pre_hooks) == before + 1
+    ck.close()
+    assert len(_global_optimizer_pre_hooks) == before
