@@ -70,9 +70,9 @@ class Checkpointer(SavePipeline):
         reserve.ensure(reserve.reserve_path(os.path.dirname(self.folder), self.rank))  # see reserve.py
         # With a persistent tier the ring has one more slot: a slow upload never holds up saves.
         slots = self.config.keep + (1 if self.config.persistent else 0)
-        self.ring = SlotRing(self.folder, slots, on_unmap=self._on_unmap)
+        self.ring = SlotRing(self.folder, slots, on_map=self._on_map, on_unmap=self._on_unmap)
         self._uploads: dict[int, tuple[Slot, SaveHandle]] = {}
-        self._stager = Stager(self.ring, self.config.allow_pickle)
+        self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
         self._store_server, address, targets, sources = wiring.start_store(self.config, self.rank, self.world_size)
         self._store_address = address
         params = WriterParams(
@@ -108,12 +108,17 @@ class Checkpointer(SavePipeline):
         self._unguarded_warned = False
         self._lock = threading.Lock()
         self._closed = False
-        self._warmed = False
+        self._warned_warm = False
         self.last_restore: RestoreReport | None = None
         self.events: ev.EventRecorder | ev.NullRecorder = (
             ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
         )
         self.events.record(ev.START, world_size=self.world_size, node=self.config.node)
+
+    @property
+    def gpu_snapshot_active(self) -> bool:
+        """Whether the last GPU save went through the device-side snapshot."""
+        return self._stager.device_active
 
     @property
     def writer_pid(self) -> int | None:
@@ -159,6 +164,16 @@ class Checkpointer(SavePipeline):
             "Tensors that never change (frozen weights) need nothing. Said once.",
             len(left), sum(t.nbytes for t in left) / 2**20,
         )
+
+    def prepare(self, state: Mapping[str, Any]) -> "Future[None]":
+        """Get every slot file ready for a state shaped like ``state`` - allocated, mapped,
+        page-locked when it is on a GPU - and the device-side snapshot buffer, in the
+        background; the first save then only copies. Call it once the state has its full
+        shape (after the first optimizer step creates the optimizer's state), overlapped
+        with training. Returns a future that resolves when everything is ready."""
+        self._check_usable()
+        snap, _, _ = snapshot(state, allow_pickle=self.config.allow_pickle)
+        return self._stage_pool.submit(self._prepare, snap)
 
     def record_step(self, step: int) -> None:
         """Mark training progress (cheap, buffered) so goodput reports can tell exactly
@@ -314,6 +329,13 @@ class Checkpointer(SavePipeline):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _on_map(self, slot: Slot) -> None:
+        """A slot was (re)mapped, on the staging thread: page-lock it if saves are on a GPU."""
+        if self._stager.pin:
+            from incluster.staging import cuda
+
+            cuda.register(slot)
 
     @staticmethod
     def _on_unmap(slot: Slot) -> None:

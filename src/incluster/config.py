@@ -45,6 +45,10 @@ class Config:
     """Manifested steps kept in the persistent tier; older ones are deleted."""
     persistent_options: dict | None = None  # type: ignore[type-arg]
     """fsspec storage options, e.g. {"client_kwargs": {"endpoint_url": ...}} for S3."""
+    gpu_snapshot: int | None = None
+    """GPU state: bytes of device memory a reused device-side snapshot may take (the
+    optimizer then waits ~1 ms/GiB for a device-to-device copy instead of PCIe). None:
+    automatic, only memory the job never used so far; 0: off, copy device-to-host directly."""
     writer: str = "process"
     """Where commits run: "process" (a writer process per rank, no GIL contention with
     the trainer) or "thread" (a background thread; no extra process)."""
@@ -66,6 +70,10 @@ class Config:
             raise ValueError(f"persistent_interval_s must be > 0 or None (got {self.persistent_interval_s!r})")
         if not isinstance(self.persistent_keep, int) or self.persistent_keep < 1:
             raise ValueError(f"persistent_keep must be an integer >= 1 (got {self.persistent_keep!r})")
+        if self.gpu_snapshot is not None and (
+            not isinstance(self.gpu_snapshot, int) or isinstance(self.gpu_snapshot, bool) or self.gpu_snapshot < 0
+        ):
+            raise ValueError(f"gpu_snapshot must be None (automatic), 0 (off) or a number of bytes (got {self.gpu_snapshot!r})")
         if self.writer not in ("process", "thread"):
             raise ValueError(f'writer must be "process" or "thread" (got {self.writer!r})')
         if not self.node or "/" in self.node:
@@ -84,6 +92,7 @@ def resolve(
     fsync: bool = False,
     run_dir: str | os.PathLike[str] | None = None,
     writer: str = "process",
+    gpu_snapshot: int | None = None,
     persistent: Any = None,
     persistent_every: int = 10,
     persistent_interval_s: float | None = None,
@@ -104,6 +113,7 @@ def resolve(
         fsync=fsync,
         run_dir=os.fspath(rd) if rd else None,
         writer=writer,
+        gpu_snapshot=gpu_snapshot,
         persistent=_persistent_url(persistent if persistent is not None else env.get("INCLUSTER_PERSISTENT")),
         persistent_every=persistent_every,
         persistent_interval_s=persistent_interval_s,

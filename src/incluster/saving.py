@@ -65,7 +65,7 @@ class SavePipeline:
     _lock: threading.Lock
     _uploads: dict[int, tuple[Slot, SaveHandle]]
     _errors: list[tuple[SaveHandle, BaseException]]
-    _warmed: bool
+    _warned_warm: bool
     _writer_params: WriterParams
     _writer_lock: threading.Lock
     _writer_restarts: int
@@ -97,10 +97,10 @@ class SavePipeline:
         except BaseException as exc:  # noqa: BLE001 - reported through the futures
             self._fail(job, handle, exc, "staging")
             return
-        handle.staged_s = time.perf_counter() - handle.started
+        job.mark_staged()
+        handle.staged_s = (job.staged_at or time.perf_counter()) - handle.started
         self.events.record(ev.STAGED, step=job.step, seconds=handle.staged_s)
         self.ring.set_state(job.slot, SlotState.COMMITTING)
-        job.staged.set_result(None)
         writer = self._writer
         try:
             writer = self._live_writer()
@@ -114,9 +114,9 @@ class SavePipeline:
             outcome.add_done_callback(lambda g: self._outcome(job, handle, g, writer))
 
         local.add_done_callback(on_local)
-        if not self._warmed:  # right after the first save is handed to the writer, on this
-            self._warmed = True  # thread: the spare slots exist before the second save
-            self._warm(req.size)
+        # Right after each save is handed to the writer, on this thread: the other slots are
+        # ready (sized, mapped, page-locked) before the next save takes one.
+        self._warm(job.layout)
 
     def _local_done(self, job: StageJob, handle: SaveHandle, fut: "Future[tuple[str, bool]]") -> None:
         if fut.exception() is None:
@@ -264,15 +264,25 @@ class SavePipeline:
         except Exception as exc:  # noqa: BLE001 - they then fail a step or two instead
             log.warning("incluster: rank %d could not tell its partners about its writer: %s", self.rank, exc)
 
-    def _warm(self, size: int) -> None:
-        """After the first commit: allocate and map the remaining slots off the hot path."""
+    def _warm(self, layout: Any) -> None:
+        """Staging thread, off the training path: create the slots the ring still lacks and
+        make every free one ready for ``layout`` (sized, mapped, headed, page-locked when
+        saves are on a GPU). Slots holding a committed step are left as they are."""
         try:
-            with self.ring._cond:
-                missing = self.ring.keep - len(self.ring.slots)  # keep (+1 with a persistent tier)
-            for _ in range(missing):
-                slot = self.ring.acquire_new()
-                if slot is None:
-                    return
-                self.ring.prepare(slot, size)
+            while self.ring.acquire_new() is not None:  # keep (+1 with a persistent tier)
+                pass
+            for slot in self.ring.free_slots():
+                self._stager.ready(slot, layout)
         except Exception as exc:  # noqa: BLE001 - warming is an optimisation only
-            log.warning("incluster: could not pre-allocate checkpoint slots: %s", exc)
+            if not self._warned_warm:
+                self._warned_warm = True
+                log.warning("incluster: could not prepare checkpoint slots ahead of the next save: %s", exc)
+
+    def _prepare(self, snap: Any) -> None:
+        """Staging thread: ``Checkpointer.prepare``."""
+        from incluster.state import flatten_snapshot
+
+        flat = flatten_snapshot(snap, allow_pickle=self.config.allow_pickle)
+        layout = self._stager.layouts.get(tuple(flat.specs))
+        self._stager.prepare_for(flat.tensors, layout)
+        self._warm(layout)

@@ -58,7 +58,7 @@ class CudaCopier:
     def __init__(self) -> None:
         self._streams: dict[int, torch.cuda.Stream] = {}
 
-    def _stream(self, dev: int) -> torch.cuda.Stream:
+    def stream(self, dev: int) -> torch.cuda.Stream:
         s = self._streams.get(dev)
         if s is None:
             s = self._streams[dev] = torch.cuda.Stream(device=dev)
@@ -75,7 +75,7 @@ class CudaCopier:
             by_dev.setdefault(src.device.index or 0, []).append((dst, src))
         done: list[torch.cuda.Event] = []
         for dev, items in by_dev.items():
-            stream = self._stream(dev)
+            stream = self.stream(dev)
             ev = start.get(dev)
             if ev is not None:
                 stream.wait_event(ev)

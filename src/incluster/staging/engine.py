@@ -3,9 +3,12 @@
 Runs on one background thread per Checkpointer. For each save it flattens the snapshot
 taken by ``save()``, looks the layout up by structure (built once per structure), makes
 sure the slot is mapped at the right size and carries the layout's header, then copies:
-GPU tensors through :mod:`incluster.staging.cuda` on a side stream, CPU tensors with a
-plain loop of ``copy_`` calls into cached views of the one mapping (torch releases the
-GIL inside each copy).
+CPU tensors with plain memcpys (or ``copy_``) into cached views of the one mapping; GPU
+tensors either into the device-side snapshot (:mod:`incluster.staging.device_snapshot`:
+device-to-device, ``staged`` as soon as that is done, then drained to the page-locked
+slot) or, without room for it, device-to-host straight into the slot on a side stream
+(:mod:`incluster.staging.cuda`). Slots are sized, mapped and page-locked ahead of the
+save that takes them (``ready``), so a save in steady state only copies.
 
 IMPORTANT: no collectives and no blocking on other ranks here; this thread only copies.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +47,19 @@ class StageJob:
     host_done: threading.Event = field(default_factory=threading.Event)
     cuda_done: list[Any] = field(default_factory=list)
     staged: Future[None] = field(default_factory=Future)
+    staged_at: float | None = None  # perf_counter() when ``staged`` resolved
     flat: Flat | None = None
     layout: Layout | None = None
     ordinal: int = 0  # how many save() calls this Checkpointer took before this one
+
+    def mark_staged(self) -> None:
+        """The state may change from now on (its bytes are out, or in the device snapshot)."""
+        if self.staged_at is None:
+            self.staged_at = time.perf_counter()
+        try:
+            self.staged.set_result(None)
+        except InvalidStateError:
+            pass  # already resolved (or failed by another thread): nothing to add
 
 
 def make_views(buf: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
@@ -58,43 +72,133 @@ def make_views(buf: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
 
 
 class Stager:
-    """Turns a :class:`StageJob` into bytes in its slot; owns the layout cache."""
+    """Turns a :class:`StageJob` into bytes in its slot; owns the layout cache, whether
+    slots are page-locked (``pin``: once a save holds CUDA tensors) and the device-side
+    snapshot (``gpu_snapshot``: None automatic, 0 off, else a byte budget)."""
 
-    def __init__(self, ring: SlotRing, allow_pickle: bool) -> None:
+    def __init__(self, ring: SlotRing, allow_pickle: bool, gpu_snapshot: int | None = None) -> None:
         self.ring = ring
         self.allow_pickle = allow_pickle
+        self.gpu_snapshot = gpu_snapshot
         self.layouts = LayoutCache()
+        self.pin = False
         self._cuda: Any = None
+        self._device: Any = None  # device_snapshot.DeviceSnapshots, at the first GPU save
         self._helper: ThreadPoolExecutor | None = None
 
+    @property
+    def device_active(self) -> bool:
+        return bool(self._device is not None and self._device.active)
+
     def run(self, job: StageJob) -> None:
+        plan: Any = None
+        after: list[tuple[int, torch.Tensor]] = []
         try:
             flat = flatten_snapshot(job.snap, allow_pickle=self.allow_pickle)
             job.snap = None  # drop references to live tensors as soon as possible
             job.flat = flat
             layout = job.layout = self.layouts.get(tuple(flat.specs))
-            views = self._views(job.slot, layout)
-            cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
-            gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
-            raws = job.slot.raw_views
-            small: list[tuple[Any, Any]] = []
-            for i, (dst, src) in enumerate(zip(views, flat.tensors)):
-                if src.is_cuda:
-                    gpu.append((dst, src))
-                elif src.is_contiguous() and src.dtype is dst.dtype and raws[i].nbytes <= SMALL_COPY:
-                    small.append((raws[i], src.detach().reshape(-1).view(torch.uint8).numpy()))
-                else:
-                    cpu.append((dst, src))
-            if gpu:
-                job.cuda_done = self._enqueue_cuda(job, gpu)
-            self._copy_small(small)
-            for dst, src in cpu:
-                dst.copy_(src)
+            kinds = self.kinds(flat.tensors)
+            if "g" in kinds:
+                self.pin = True
+                plan = self._devices().plan(layout, flat.tensors, kinds)
+            if plan is None:
+                self._copy_direct(job, flat.tensors, layout)
+            else:
+                after = self._snap(job, flat.tensors, layout, kinds, plan)
         finally:
             job.host_done.set()
         for ev in job.cuda_done:
             ev.synchronize()
+        if plan is not None:
+            # Device-to-device done: the optimizer may step. The drain to the slot follows.
+            job.mark_staged()
+            from incluster.staging import cuda
+            from incluster.staging.device_snapshot import drain
+
+            views = self._views(job.slot, layout)  # maps (and page-locks) a slot not warmed yet
+            cuda.register(job.slot)
+            drain(plan, self._device.buf, job.slot.buf, self._copier().stream(plan.device)).synchronize()
+            for i, clone in after:
+                views[i].copy_(clone)
         flat.tensors = []  # the bytes are in the slot now; let go of the live tensors
+
+    @staticmethod
+    def kinds(tensors: list[torch.Tensor]) -> list[str]:
+        """Per tensor: "g" on a GPU, "s" a small CPU tensor, "c" a large CPU one."""
+        from incluster.staging.device_snapshot import SMALL_CPU
+
+        return ["g" if t.is_cuda else "s" if t.nbytes <= SMALL_CPU else "c" for t in tensors]
+
+    def _copy_direct(self, job: StageJob, tensors: list[torch.Tensor], layout: Layout) -> None:
+        """Every tensor straight into the slot: GPU ones device-to-host on the side stream."""
+        views = self._views(job.slot, layout)
+        cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        raws = job.slot.raw_views
+        small: list[tuple[Any, Any]] = []
+        for i, (dst, src) in enumerate(zip(views, tensors)):
+            if src.is_cuda:
+                gpu.append((dst, src))
+            elif src.is_contiguous() and src.dtype is dst.dtype and raws[i].nbytes <= SMALL_COPY:
+                small.append((raws[i], src.detach().reshape(-1).view(torch.uint8).numpy()))
+            else:
+                cpu.append((dst, src))
+        if gpu:
+            from incluster.staging import cuda
+
+            cuda.register(job.slot)
+            job.cuda_done = self._copier().enqueue(gpu, job.cuda_start)
+        self._copy_small(small)
+        for dst, src in cpu:
+            dst.copy_(src)
+
+    def _snap(
+        self, job: StageJob, tensors: list[torch.Tensor], layout: Layout, kinds: list[str], plan: Any
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Device-side snapshot: enqueue the GPU copies first, then the CPU tensors (large
+        ones straight into the slot, small ones cloned to write after the drain)."""
+        from incluster.staging.device_snapshot import snap
+
+        stream = self._copier().stream(plan.device)
+        job.cuda_done = [snap(plan, tensors, stream, job.cuda_start.get(plan.device))]
+        if "c" in kinds:
+            views = self._views(job.slot, layout)
+            for i, k in enumerate(kinds):
+                if k == "c":
+                    views[i].copy_(tensors[i])
+        return [(i, tensors[i].detach().clone()) for i, k in enumerate(kinds) if k == "s"]
+
+    def prepare_for(self, tensors: list[torch.Tensor], layout: Layout) -> None:
+        """``Checkpointer.prepare``: page-lock from now on if the state is on a GPU, and
+        take the device-side snapshot buffer now rather than at the first save."""
+        kinds = self.kinds(tensors)
+        if "g" in kinds:
+            self.pin = True
+            self._devices().plan(layout, tensors, kinds)
+
+    def ready(self, slot: Slot, layout: Layout) -> None:
+        """Off the training path: the slot sized, mapped, headed for ``layout`` (and
+        page-locked when ``pin``), so the save that takes it next only copies."""
+        self._views(slot, layout)
+        if self.pin:
+            from incluster.staging import cuda
+
+            cuda.register(slot)
+
+    def _devices(self) -> Any:
+        if self._device is None:
+            from incluster.staging.device_snapshot import DeviceSnapshots
+
+            self._device = DeviceSnapshots(self.gpu_snapshot)
+        return self._device
+
+    def _copier(self) -> Any:
+        if self._cuda is None:
+            from incluster.staging import cuda
+
+            self._cuda = cuda.CudaCopier()
+        return self._cuda
 
     def _copy_small(self, pairs: list[tuple[Any, Any]]) -> None:
         """Plain memcpys (numpy releases the GIL), split over two threads by bytes.
@@ -139,11 +243,3 @@ class Stager:
             slot.raw_views = [buf[e.offset : e.offset + e.nbytes].numpy() for e in layout.entries]
             slot.header_fp = layout.fingerprint
         return slot.views
-
-    def _enqueue_cuda(self, job: StageJob, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
-        from incluster.staging import cuda
-
-        if self._cuda is None:
-            self._cuda = cuda.CudaCopier()
-        cuda.register(job.slot)
-        return self._cuda.enqueue(pairs, job.cuda_start)

@@ -184,6 +184,12 @@ class SlotRing:
             self._cond.notify_all()
             return s
 
+    def free_slots(self) -> list[Slot]:
+        """Slots that hold nothing and are not read by an upload (for ``prepare``-ing ahead:
+        a save that takes one meanwhile queues behind that on the staging thread)."""
+        with self._cond:
+            return [s for s in self.slots if s.state is SlotState.FREE and not s.uploading]
+
     def discard(self, step: int) -> None:
         """Un-commit a step found corrupt: its sidecar goes, its slot becomes free."""
         with self._cond:

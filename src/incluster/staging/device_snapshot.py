@@ -1,0 +1,179 @@
+"""The device-side snapshot: a save's GPU tensors copied device-to-device into a reused
+GPU buffer, then drained to the pinned slot in a few large device-to-host copies.
+
+Why: a device-to-host copy of a multi-GiB state takes ~100 ms over PCIe, and the
+optimizer step must not change the state until it is done - longer than a forward and
+backward of a small step. A device-to-device copy of the same bytes takes ~1 ms per GiB,
+so the optimizer waits for that only; the drain overlaps the following steps.
+
+The buffer mirrors the slot file from the first to the last GPU tensor (the same
+offsets), so one ``copy_`` per *run* moves everything: a run is a stretch of the file
+with no large CPU tensor in it. Small CPU tensors inside a run (AdamW's step counters)
+are cloned when the save starts and written into the slot after the drain.
+
+Memory: ``gpu_snapshot=None`` (automatic) takes the buffer only out of memory this job
+has never reserved so far (device total minus the caching allocator's peak, and no more
+than the driver reports free), keeping max(2 GiB, 10%) of the device spare; ``0`` never
+takes it; a number of bytes takes at most that much. Without room the save copies
+device-to-host directly (the optimizer then waits for PCIe) and says so once.
+
+Only imported when a save holds CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from incluster.format.dtypes import NAME_TO_DTYPE
+from incluster.format.layout import Layout
+
+log = logging.getLogger("incluster")
+SMALL_CPU = 1 << 20  # CPU tensors up to this size are cloned and written after the drain
+GiB = 2**30
+
+
+@dataclass
+class Plan:
+    """How one layout's GPU tensors sit in the device buffer."""
+
+    device: int
+    lo: int  # file offset of the buffer's first byte
+    hi: int
+    runs: list[tuple[int, int]]  # file ranges moved by one device-to-host copy each
+    gpu: list[int]  # entry indices of the GPU tensors
+    views: list[torch.Tensor]  # typed views into the buffer, one per ``gpu`` entry
+
+
+def make_runs(layout: Layout, kinds: Sequence[str]) -> tuple[int, int, list[tuple[int, int]]]:
+    """(lo, hi, runs) over entries of kind "g" (GPU); kind "c" (a large CPU tensor)
+    breaks a run, kind "s" (a small CPU tensor, rewritten after the drain) does not."""
+    order = sorted(range(len(kinds)), key=lambda i: layout.entries[i].offset)
+    runs: list[tuple[int, int]] = []
+    start = end = None
+    for i in order:
+        e = layout.entries[i]
+        if kinds[i] == "c" or not e.nbytes:
+            if start is not None and kinds[i] == "c":
+                runs.append((start, end))  # type: ignore[arg-type]
+                start = end = None
+            continue
+        if kinds[i] == "g":
+            start = e.offset if start is None else start
+            end = e.offset + e.nbytes
+        elif start is not None:  # a small CPU tensor between GPU ones: carried along
+            end = e.offset + e.nbytes
+    if start is not None:
+        runs.append((start, end))  # type: ignore[arg-type]
+    if not runs:
+        return 0, 0, []
+    return runs[0][0], runs[-1][1], runs
+
+
+class DeviceSnapshots:
+    """The reused buffer (one device) and the per-layout plans over it."""
+
+    def __init__(self, setting: int | None) -> None:
+        self.setting = setting
+        self.buf: torch.Tensor | None = None
+        self.active = False
+        self._plans: dict[str, Plan] = {}
+        self._said: set[str] = set()
+
+    def plan(self, layout: Layout, tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> Plan | None:
+        """The plan for this save, with the buffer allocated; None: copy directly."""
+        gpu = [i for i, k in enumerate(kinds) if k == "g"]
+        devices = {tensors[i].device.index or 0 for i in gpu}
+        if len(devices) != 1:
+            self._say("multi", "incluster: the saved state spans several GPUs; copying device-to-host directly")
+            return None
+        dev = devices.pop()
+        key = f"{layout.fingerprint}:{dev}"
+        plan = self._plans.get(key)
+        if plan is not None and self.buf is not None and self.buf.device.index == dev:
+            return plan
+        lo, hi, runs = make_runs(layout, kinds)
+        if not self._room(dev, hi - lo):
+            self.active = False
+            return None
+        buf = self.buf
+        views = []
+        for i in gpu:
+            e = layout.entries[i]
+            raw = buf[e.offset - lo : e.offset - lo + e.nbytes]  # type: ignore[index]
+            views.append(raw.view(NAME_TO_DTYPE[e.spec.dtype]).view(e.spec.shape))
+        plan = self._plans[key] = Plan(dev, lo, hi, runs, gpu, views)
+        self.active = True
+        return plan
+
+    def _room(self, dev: int, need: int) -> bool:
+        """Make the buffer at least ``need`` bytes on ``dev`` if the budget allows."""
+        if self.buf is not None and self.buf.device.index == dev and self.buf.numel() >= need:
+            return True
+        if self.setting == 0:
+            return False
+        free, total = torch.cuda.mem_get_info(dev)
+        have = self.buf.numel() if self.buf is not None and self.buf.device.index == dev else 0
+        if self.setting is None:
+            spare = max(2 * GiB, total // 10)
+            room = min(free, total - torch.cuda.max_memory_reserved(dev)) + have - spare
+            why = (f"{need / GiB:.2f} GiB needed, {max(room, 0) / GiB:.2f} GiB of cuda:{dev} left that this job "
+                   f"never used (set gpu_snapshot=<bytes> to allow more)")
+        else:
+            room = self.setting
+            why = f"{need / GiB:.2f} GiB needed, gpu_snapshot={self.setting} bytes allowed"
+        if need > room:
+            self._say(f"room{need}", f"incluster: no device-side snapshot ({why}); copying device-to-host "
+                      f"directly, so the optimizer step waits for PCIe after each save")
+            return False
+        self.buf, self._plans = None, {}
+        try:
+            with torch.cuda.device(dev):
+                self.buf = torch.zeros(need, dtype=torch.uint8, device=dev)
+        except torch.cuda.OutOfMemoryError:
+            self._say(f"oom{need}", f"incluster: could not allocate the {need / GiB:.2f} GiB device-side "
+                      f"snapshot on cuda:{dev}; copying device-to-host directly")
+            return False
+        log.info("incluster: device-side snapshot buffer of %.2f GiB on cuda:%d (gpu_snapshot=%s)",
+                 need / GiB, dev, "auto" if self.setting is None else self.setting)
+        return True
+
+    def _say(self, key: str, msg: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning("%s", msg)
+
+    def release(self) -> None:
+        self.buf, self._plans, self.active = None, {}, False
+
+
+def snap(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any, start: Any) -> Any:
+    """Enqueue the device-to-device copies on ``stream`` after ``start``; returns the event
+    the optimizer step waits for."""
+    srcs = [tensors[i] for i in plan.gpu]
+    if start is not None:
+        stream.wait_event(start)
+    else:  # save() did not mark this device: order after all its work so far
+        stream.wait_stream(torch.cuda.current_stream(plan.device))
+    with torch.cuda.device(plan.device), torch.cuda.stream(stream):
+        try:
+            torch._foreach_copy_(plan.views, srcs)  # a few kernel launches for many tensors
+        except (RuntimeError, AttributeError, TypeError):
+            for dst, src in zip(plan.views, srcs):
+                dst.copy_(src)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+    return ev
+
+
+def drain(plan: Plan, buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any) -> Any:
+    """Enqueue the device-to-host copies of every run on ``stream``; returns the event."""
+    with torch.cuda.device(plan.device), torch.cuda.stream(stream):
+        for a, b in plan.runs:
+            slot_buf[a:b].copy_(buf[a - plan.lo : b - plan.lo], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+    return ev

@@ -1,0 +1,60 @@
+"""Slots are made ready off the training path: ``prepare(state)`` before the first save,
+and after every save the free slots are re-made for the shape just saved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import incluster
+from incluster.staging.slots import SlotState
+
+from helpers import tiny_model, train
+
+
+def _ckpt(local_dir, **kw):
+    return incluster.Checkpointer(local_dir=local_dir, job="prep", writer="thread", **kw)
+
+
+def _maps(ck):
+    return {s.index: s.maps for s in ck.ring.slots}
+
+
+def test_prepare_maps_every_slot_before_the_first_save(local_dir):
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    train(m, o, 1)
+    state = {"model": m, "optim": o}
+    with _ckpt(local_dir, keep=3) as ck:
+        ck.prepare(state).result(30)
+        assert len(ck.ring.slots) == 3
+        assert all(s.buf is not None and s.size > 0 and s.maps == 1 for s in ck.ring.slots)
+        before = _maps(ck)
+        for step in range(1, 5):
+            train(m, o, 1)
+            ck.save(step, state).wait()
+        assert _maps(ck) == before, "a save (re)mapped a slot that prepare() had made ready"
+
+
+def test_a_grown_state_remaps_free_slots_after_the_save_not_in_the_next(local_dir):
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    state = {"model": m, "optim": o}
+    with _ckpt(local_dir) as ck:
+        ck.prepare(state).result(30)  # before the first step: no optimizer state yet
+        small = ck.ring.slots[0].size
+        train(m, o, 1)  # AdamW's state appears: the shard grows
+        ck.save(1, state).wait()  # remaps its own slot; the free one is re-made after it
+        ck.wait_staged()
+        ck.prepare(state).result(30)  # a barrier on the staging thread (nothing left to do)
+        free = [s for s in ck.ring.slots if s.state is SlotState.FREE]
+        assert free and all(s.size > small for s in free)
+        maps = _maps(ck)
+        train(m, o, 1)
+        ck.save(2, state).wait()
+        assert _maps(ck) == maps
+
+
+def test_gpu_snapshot_option_is_validated():
+    with pytest.raises(ValueError, match="gpu_snapshot"):
+        incluster.Checkpointer(local_dir="/dev/shm/x", gpu_snapshot=-1)
