@@ -78,7 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import RAM_DISK, log, machine_info, median, scratch_dir  # noqa: E402 - bench/ is not a package
 from gpu_report import config_name, loop_summary, render, save_summary, step_stats, write_json  # noqa: E402
 
-WAIT_S = 120.0  # the longest wait for saves or uploads before a configuration counts as stuck
+WAIT_S = 60.0  # the longest wait for saves or uploads before a configuration counts as stuck
 ALIGN = 4096
 
 
