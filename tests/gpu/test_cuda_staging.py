@@ -1,20 +1,29 @@
-"""The CUDA staging path: pinned slot mapping, side-stream copies, event-ordered step.
+"""The CUDA path: ordering of the optimizer step after the copies (checked with the copies
+deliberately delayed on the GPU), the device-side snapshot and its fallback, page-locked
+slots (also after a re-map), and restores into GPU tensors.
 
 Runs only where CUDA is available (marker ``gpu``); CPU-only runs skip it.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import incluster
+from incluster.staging import cuda as cuda_mod
+from incluster.staging import device_snapshot
+from incluster.state import flatten
+from incluster.tiers.local import ShardReader
 
 pytestmark = pytest.mark.gpu
+DELAY = int(4e8)  # GPU clock cycles (~0.2 s): longer than a forward, backward and step here
 
 
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
+def _model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     m = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
@@ -25,40 +34,139 @@ def _step(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
     o.zero_grad()
 
 
-def test_gpu_save_is_pinned_ordered_and_bitwise(local_dir):
+@pytest.fixture
+def delayed_copies(monkeypatch):
+    """Every staging copy is enqueued behind a ~0.2 s sleep on its side stream: an
+    optimizer step the GPU does not order after the copies lands in the checkpoint."""
+    snap, enqueue = device_snapshot.snap, cuda_mod.CudaCopier.enqueue
+
+    def late_snap(plan, tensors, stream, start):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(DELAY)
+        return snap(plan, tensors, stream, start)
+
+    def late_enqueue(self, pairs, start):
+        for dev in {src.device.index or 0 for _, src in pairs}:
+            with torch.cuda.stream(self.stream(dev)):
+                torch.cuda._sleep(DELAY)
+        return enqueue(self, pairs, start)
+
+    monkeypatch.setattr(device_snapshot, "snap", late_snap)
+    monkeypatch.setattr(cuda_mod.CudaCopier, "enqueue", late_enqueue)
+
+
+def _expected(state):
+    torch.cuda.synchronize()
+    flat = flatten(state)
+    return {s.name: t.detach().cpu().clone() for s, t in zip(flat.specs, flat.tensors)}
+
+
+def _assert_shard(folder, step, expected):
+    with ShardReader(folder, step) as r:
+        differ = [n for n, v in expected.items() if not torch.equal(r.tensor(n), v)]
+    assert not differ, f"{len(differ)} of {len(expected)} tensors hold values from after save(): {differ[:4]}"
+
+
+@pytest.mark.parametrize("gpu_snapshot", [None, 0], ids=["device-snapshot", "direct"])
+def test_optimizer_step_right_after_save_is_ordered_after_the_copies(local_dir, delayed_copies, gpu_snapshot):
     m, o = _model()
-    _step(m, o)
-    with incluster.Checkpointer(local_dir=local_dir, job="gpu") as ck:
-        ck.save(1, {"model": m, "optim": o}).wait()
-        expected = {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
-        h = ck.save(2, {"model": m, "optim": o})
-        assert h.blocked_s is not None and h.blocked_s < 0.5
-        # The next step runs at once; the hook orders it after the copies on the GPU.
+    with incluster.Checkpointer(local_dir=local_dir, job="order", replicas=0, gpu_snapshot=gpu_snapshot) as ck:
+        _step(m, o)
+        state = {"model": m, "optim": o}
+        ck.save(1, state).wait()  # slots ready
+        _step(m, o)
+        expected = _expected(state)
+        h = ck.save(2, state)
+        _step(m, o)  # no synchronization: the pre-step hook must order the update on the GPU
+        h.wait()
+        assert ck.gpu_snapshot_active is (gpu_snapshot is None)
+        _assert_shard(ck.folder, 2, expected)
+
+
+def test_plain_dict_state_is_ordered_too(local_dir, delayed_copies):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m, o = _model()
+    with incluster.Checkpointer(local_dir=local_dir, job="order-dict", replicas=0) as ck:
+        _step(m, o)
+        msd, osd = get_state_dict(m, o)
+        state = {"model": msd, "optim": osd}
+        expected = _expected(state)
+        h = ck.save(1, state)
         _step(m, o)
         h.wait()
-        slot = next(s for s in ck.ring.slots if s.step == 2)
-        assert slot.pinned, "slot mapping should be registered as page-locked memory"
-        torch.cuda.synchronize()
-    m2, o2 = _model()
-    with incluster.Checkpointer(local_dir=local_dir, job="gpu") as ck:
-        assert ck.load({"model": m2, "optim": o2}) == 2
-    for k, v in m2.state_dict().items():
-        assert v.is_cuda
-        assert torch.equal(v.cpu(), expected[k]), k
+        _assert_shard(ck.folder, 1, expected)
 
 
-def test_copies_overlap_and_values_are_from_save_time(local_dir):
-    """Many saves while training continues: each step's shard holds that step's values."""
+def test_no_room_falls_back_to_direct_copies_and_says_so_once(local_dir, caplog):
     m, o = _model()
-    with incluster.Checkpointer(local_dir=local_dir, job="gpu2", keep=3) as ck:
-        for step in range(1, 6):
-            _step(m, o)
-            snap = {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
-            ck.save(step, {"model": m, "optim": o})
-            _step(m, o)  # mutates right after save() returns
-            ck.wait()
-            from incluster.tiers.local import ShardReader
+    _step(m, o)
+    state = {"model": m, "optim": o}
+    with caplog.at_level(logging.WARNING, logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, job="fallback", replicas=0, gpu_snapshot=1) as ck:
+            for step in (1, 2):
+                expected = _expected(state)
+                ck.save(step, state).wait()
+                _assert_shard(ck.folder, step, expected)
+                _step(m, o)
+            assert ck.gpu_snapshot_active is False
+    said = [r for r in caplog.records if "no device-side snapshot" in r.getMessage()]
+    assert len(said) == 1
 
-            with ShardReader(ck.folder, step) as r:
-                for k, v in snap.items():
-                    assert torch.equal(r.tensor(f"model/{k}"), v), (step, k)
+
+def test_prepare_page_locks_every_slot_before_the_first_save(local_dir):
+    m, o = _model()
+    _step(m, o)
+    state = {"model": m, "optim": o}
+    with incluster.Checkpointer(local_dir=local_dir, job="prep", replicas=0) as ck:
+        ck.prepare(state).result(120)
+        assert len(ck.ring.slots) == ck.ring.keep
+        for s in ck.ring.slots:
+            assert s.pinned and s.buf is not None and s.buf.is_pinned(), s.index
+        maps = [s.maps for s in ck.ring.slots]
+        for step in range(1, 4):
+            _step(m, o)
+            ck.save(step, state).wait()
+        assert [s.maps for s in ck.ring.slots] == maps
+
+
+def test_a_remapped_slot_is_page_locked_again(local_dir):
+    m, o = _model()
+    _step(m, o)
+    with incluster.Checkpointer(local_dir=local_dir, job="remap", replicas=0, gpu_snapshot=0) as ck:
+        ck.save(1, {"model": m, "optim": o}).wait()
+        ck.save(2, {"model": m, "optim": o}).wait()
+        extra = torch.randn(3, 1 << 20, device="cuda")  # the shard grows by 12 MiB: slots re-map
+        state = {"model": m, "optim": o, "extra": extra}
+        for step in (3, 4, 5):
+            expected = _expected(state)
+            ck.save(step, state).wait()
+            _assert_shard(ck.folder, step, expected)
+        ck._stage_pool.submit(lambda: None).result(60)
+        for s in ck.ring.slots:
+            if s.buf is not None:
+                assert s.pinned and s.buf.is_pinned(), s.index
+        assert any(s.maps > 1 for s in ck.ring.slots)
+
+
+@pytest.mark.parametrize("gpu_snapshot", [None, 0], ids=["device-snapshot", "direct"])
+def test_restore_into_gpu_tensors_is_bitwise_and_in_place(local_dir, gpu_snapshot):
+    m, o = _model()
+    for _ in range(2):
+        _step(m, o)
+    with incluster.Checkpointer(local_dir=local_dir, job="gpu", replicas=0, gpu_snapshot=gpu_snapshot) as ck:
+        ck.save(1, {"model": m, "optim": o}).wait()
+        _step(m, o)
+        state = {"model": m, "optim": o}
+        expected = _expected(state)
+        ck.save(2, state).wait()
+    m2, o2 = _model(seed=5)
+    _step(m2, o2)
+    ptrs = [p.data_ptr() for p in m2.parameters()]
+    with incluster.Checkpointer(local_dir=local_dir, job="gpu", replicas=0) as ck:
+        assert ck.load({"model": m2, "optim": o2}) == 2
+    assert [p.data_ptr() for p in m2.parameters()] == ptrs
+    got = _expected({"model": m2, "optim": o2})
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k

@@ -164,3 +164,42 @@ def test_no_good_copy_after_a_partial_load_says_the_state_was_overwritten(local_
 
 def test_gather_to_zero_alone():
     assert gather_to_zero({"a": 1}, 0, 1) == [{"a": 1}]
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_bounce_pipeline_lands_bitwise_and_finds_a_bad_byte(tmp_path, monkeypatch, corrupt):
+    """The GPU restore's read -> hash -> copy pipeline, run with CPU destinations: small
+    bounce buffers (many round trips through the pool), several readers, bitwise or a
+    named bad chunk."""
+    import incluster.recovery.device_landing as dl
+
+    monkeypatch.setattr(dl, "BOUNCE", 3000)
+    monkeypatch.setattr(dl, "_pools", {})
+    saved = {"a": torch.randn(50_000), "b": torch.randn(7), "c": torch.randn(30_001)}
+    data, flat = _shard(saved)
+    if corrupt:
+        data = bytearray(data)
+        data[-5000] ^= 0x40
+        data = bytes(data)
+        expected = compute(_shard(saved)[0], chunk=8192)
+    else:
+        expected = compute(data, chunk=8192)
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    live = {k: torch.zeros_like(v) for k, v in saved.items()}
+    header = parse_header(data, len(data))
+    targets = direct_targets(live, flat.tree, header, allow_pickle=False, big=1)
+    landing = Landing(header, segments(header, big=1), targets)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if corrupt:
+            with pytest.raises(CorruptCheckpointError):
+                read_verified(fd, landing, expected, str(path), workers=3, bounce_cpu=True)
+            return
+        read_verified(fd, landing, expected, str(path), workers=3, bounce_cpu=True)
+    finally:
+        os.close(fd)
+    assert dl._pools and all(p.size == 3000 for p in dl._pools.values())
+    load_into(live, flat.tree, landing.fetch, placed=landing.placed)
+    for k, v in saved.items():
+        assert torch.equal(live[k], v), k

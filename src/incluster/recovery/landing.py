@@ -60,16 +60,24 @@ def segments(header: ShardHeader, big: int = BIG) -> list[Segment]:
 
 
 def direct_targets(
-    state: Mapping[str, Any], tree: Any, header: ShardHeader, *, allow_pickle: bool, big: int = BIG
+    state: Mapping[str, Any],
+    tree: Any,
+    header: ShardHeader,
+    *,
+    allow_pickle: bool,
+    big: int = BIG,
+    devices: tuple[str, ...] = ("cpu",),
 ) -> dict[str, torch.Tensor]:
-    """Live tensors that can take their stored bytes as they are (see the module doc)."""
+    """Live tensors that can take their stored bytes as they are (see the module doc);
+    ``devices``: where such a tensor may live ("cuda" ones land through
+    :mod:`incluster.recovery.device_landing`)."""
     spans = []
     for name, t in live_targets(state, tree, allow_pickle=allow_pickle).items():
         st = header.tensors.get(name)
         if st is None or st.nbytes < big or st.nbytes == 0:
             continue
         if (
-            t.device.type != "cpu"
+            t.device.type not in devices
             or t.layout != torch.strided
             or not t.is_contiguous()
             or t.dtype != NAME_TO_DTYPE[st.dtype]
@@ -99,6 +107,7 @@ class Landing:
 
     def __init__(self, header: ShardHeader, segs: list[Segment], targets: Mapping[str, torch.Tensor]) -> None:
         self.header, self.segs = header, segs
+        self.device: torch.device | None = None  # where the non-CPU destinations are
         self.placed = {s.name: targets[s.name] for s in segs if s.name is not None and s.name in targets}
         n = sum(s.nbytes for s in segs if s.name not in self.placed)
         if n >= _HUGE:  # huge pages where the kernel allows: far fewer faults than 4 KiB ones
@@ -114,7 +123,10 @@ class Landing:
         pos = 0
         for s in segs:
             if s.name in self.placed:
-                self.dests.append(_bytes_of(self.placed[s.name]))  # type: ignore[index]
+                dest = _bytes_of(self.placed[s.name])  # type: ignore[index]
+                if dest.device.type != "cpu":
+                    self.device = dest.device
+                self.dests.append(dest)
             else:
                 self.dests.append(self._scratch[pos : pos + s.nbytes])
                 self._starts.append(s.offset)
@@ -145,15 +157,24 @@ def _pread_full(fd: int, view: memoryview, offset: int, where: str) -> None:
         view, offset = view[n:], offset + n
 
 
-def read_verified(fd: int, landing: Landing, expected: Checksum, where: str, workers: int = 1) -> None:
+def read_verified(
+    fd: int, landing: Landing, expected: Checksum, where: str, workers: int = 1, *, bounce_cpu: bool = False
+) -> None:
     """Read the whole shard from ``fd`` into ``landing``, each piece hashed right after
     it is copied; chunks run on up to ``workers`` threads (the copies and hashes release
-    the GIL). Raises CorruptCheckpointError at the first chunk that differs."""
+    the GIL). Raises CorruptCheckpointError at the first chunk that differs. GPU
+    destinations go through page-locked bounce buffers; ``bounce_cpu`` sends CPU tensor
+    destinations the same way (the pipeline's test on machines without a GPU)."""
     if expected.size != landing.nbytes:
         raise CorruptCheckpointError(f"{where}: the header says {landing.nbytes} bytes, the sidecar {expected.size}")
     chunk = expected.chunk
     starts = [s.offset for s in landing.segs]
-    views = [memoryview(d.numpy()) for d in landing.dests]  # type: ignore[arg-type]
+    views = [memoryview(d.numpy()) if d.device.type == "cpu" else None for d in landing.dests]  # type: ignore[arg-type]
+    bounce = None
+    if landing.device is not None or bounce_cpu:
+        from incluster.recovery.device_landing import bounce_for
+
+        bounce = bounce_for(landing.device or torch.device("cpu"), max(1, workers))
 
     def one(k: int) -> None:
         lo, hi = k * chunk, min((k + 1) * chunk, expected.size)
@@ -163,7 +184,10 @@ def read_verified(fd: int, landing: Landing, expected: Checksum, where: str, wor
             seg, view = landing.segs[i], views[i]
             pos = max(lo, seg.offset)
             end = min(hi, seg.offset + seg.nbytes)
-            while pos < end:
+            if view is None or (bounce_cpu and seg.name is not None):
+                _through(bounce, fd, pos, end, seg, landing.dests[i], v, where)  # type: ignore[arg-type]
+                pos = end
+            while pos < end and view is not None:
                 piece = view[pos - seg.offset : min(end, pos + PIECE) - seg.offset]
                 _pread_full(fd, piece, pos, where)
                 v.update(piece)
@@ -172,10 +196,30 @@ def read_verified(fd: int, landing: Landing, expected: Checksum, where: str, wor
         v.finish(hi)
 
     count = max(1, -(-expected.size // chunk))
-    if workers <= 1 or count == 1:
-        for k in range(count):
-            one(k)
-        return
-    with ThreadPoolExecutor(min(workers, count), thread_name_prefix="incluster-restore") as pool:
-        for f in [pool.submit(one, k) for k in range(count)]:
-            f.result()
+    try:
+        if workers <= 1 or count == 1:
+            for k in range(count):
+                one(k)
+            return
+        with ThreadPoolExecutor(min(workers, count), thread_name_prefix="incluster-restore") as pool:
+            for f in [pool.submit(one, k) for k in range(count)]:
+                f.result()
+    finally:
+        if bounce is not None:
+            bounce.finish()  # every copy landed (or, after an error, none still reads a buffer)
+
+
+def _through(bounce: Any, fd: int, pos: int, end: int, seg: Segment, dest: torch.Tensor, v: Any, where: str) -> None:
+    """File range [pos, end) of ``seg`` into ``dest`` via the bounce buffers: each piece
+    read and hashed in a page-locked buffer, then copied over without waiting."""
+    while pos < end:
+        b = bounce.take()
+        n = min(end - pos, bounce.size)
+        at = 0
+        while at < n:
+            piece = b.view[at : min(n, at + PIECE)]
+            _pread_full(fd, piece, pos + at, where)
+            v.update(piece)
+            at += piece.nbytes
+        bounce.send(b, n, dest[pos - seg.offset : pos - seg.offset + n])
+        pos += n

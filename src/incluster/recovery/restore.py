@@ -228,9 +228,13 @@ class _Run:
                 if sc.rank != ctx.rank or sc.job != ctx.job:
                     raise CorruptCheckpointError(f"{folder}: step {step} claims rank {sc.rank} of job {sc.job!r}")
                 _check_world(sc, ctx, step)
-                targets = direct_targets(self.state, sc.tree, header, allow_pickle=ctx.allow_pickle, big=1)
+                targets = direct_targets(
+                    self.state, sc.tree, header, allow_pickle=ctx.allow_pickle, big=1, devices=("cpu", "cuda")
+                )
                 landing = Landing(header, segments(header, big=1), targets)
-                read_verified(fd, landing, sc.checksum, path, workers=max(1, min(4, torch.get_num_threads())))
+                # GPU targets: more readers keep the host-to-device link busy (16 MiB bounce each)
+                cap = 8 if landing.device is not None else 4
+                read_verified(fd, landing, sc.checksum, path, workers=max(1, min(cap, os.cpu_count() or 1)))
             finally:
                 os.close(fd)
         except CorruptCheckpointError as exc:

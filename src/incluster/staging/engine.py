@@ -118,7 +118,7 @@ class Stager:
 
             views = self._views(job.slot, layout)  # maps (and page-locks) a slot not warmed yet
             cuda.register(job.slot)
-            drain(plan, self._device.buf, job.slot.buf, self._copier().stream(plan.device)).synchronize()
+            drain(plan, self._device.buf, job.slot.buf, self._copier().stream(plan.device)).synchronize()  # type: ignore[arg-type]
             for i, clone in after:
                 views[i].copy_(clone)
         flat.tensors = []  # the bytes are in the slot now; let go of the live tensors
