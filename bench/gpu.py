@@ -44,7 +44,7 @@ Without CUDA it exits 0 at once (JSON ``{"skipped": "no CUDA"}``), unless --cpu-
 then the same code runs on the CPU with tiny sizes (no pinned or registered memory, CPU
 bf16 autocast), to check the script itself.
 
-    python bench/gpu.py                                   # H200: about 3 minutes
+    python bench/gpu.py                                   # stops starting configurations at --budget-s (230 s)
     python bench/gpu.py --quick                           # small model, few steps
     PYTHONPATH=src python bench/gpu.py --cpu-smoke --out /tmp/gpu-smoke.json
     python bench/gpu.py --report gpu-bench.json           # print a saved run's table
@@ -62,223 +62,26 @@ import gc  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import mmap  # noqa: E402
 import os  # noqa: E402
-import sys  # noqa: E402
 import shutil  # noqa: E402
-import tempfile  # noqa: E402
+import sys  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from functools import partial  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import RAM_DISK, log, machine_info, median, scratch_dir  # noqa: E402 - bench/ is not a package
+from gpu_dcp import run_dcp_config  # noqa: E402
+from gpu_loop import (WAIT_S, build, named_tensors, run_floors, run_steps, same_bits, scramble,  # noqa: E402
+                      sync, warm_up)
 from gpu_report import config_name, loop_summary, render, save_summary, step_stats, write_json  # noqa: E402
-
-WAIT_S = 60.0  # the longest wait for saves or uploads before a configuration counts as stuck
-ALIGN = 4096
 
 
 def elapsed() -> float:
     return time.perf_counter() - T_START
-
-
-# -- the model and the loop --------------------------------------------------------------
-
-
-def build(args: argparse.Namespace, tokens: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(args.hidden, args.hidden, bias=False, device=args.dev)
-                                  for _ in range(args.layers)))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(tokens, args.hidden, device=args.dev)
-    return model, optim, x
-
-
-def train_step(args: argparse.Namespace, model: Any, optim: Any, x: torch.Tensor,
-               pre_step: Callable[[], Any] | None = None, post_zero: Callable[[], Any] | None = None) -> float:
-    with torch.autocast(args.dev, dtype=torch.bfloat16):
-        loss = model(x).float().pow(2).mean()
-    loss.backward()
-    if pre_step is not None:
-        pre_step()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    if post_zero is not None:
-        post_zero()
-    return loss.item()
-
-
-def run_steps(args: argparse.Namespace, model: Any, optim: Any, x: torch.Tensor, steps: int,
-              save_at: set[int] = frozenset(), save: Callable[[int], Any] | None = None,  # type: ignore[assignment]
-              pre_step: Callable[[], Any] | None = None, after: Callable[[int], Any] | None = None) -> list[float]:
-    """``steps`` timed steps; ``save(i)`` right after ``zero_grad`` of the steps in ``save_at``;
-    ``after(i)`` once step i's time is taken."""
-    times = []
-    for i in range(steps):
-        hook = (lambda i=i: save(i)) if save is not None and i in save_at else None  # type: ignore[misc]
-        t0 = time.perf_counter()
-        train_step(args, model, optim, x, pre_step, hook)
-        times.append(time.perf_counter() - t0)
-        if after is not None:
-            after(i)
-    return times
-
-
-def warm_up(args: argparse.Namespace, model: Any, optim: Any, x: torch.Tensor) -> None:
-    for _ in range(args.warmup):
-        train_step(args, model, optim, x)
-
-
-def named_tensors(model: Any, optim: Any) -> list[tuple[str, torch.Tensor]]:
-    """Parameters, then each parameter's optimizer state (AdamW's ``step`` lives on the CPU)."""
-    out = [(f"model.{n}", p.data) for n, p in model.named_parameters()]
-    for n, p in model.named_parameters():
-        for k, v in sorted(optim.state.get(p, {}).items()):
-            if isinstance(v, torch.Tensor):
-                out.append((f"optim.{n}.{k}", v))
-    return out
-
-
-def sync(args: argparse.Namespace) -> None:
-    if args.dev == "cuda":
-        torch.cuda.synchronize()
-
-
-@torch.no_grad()
-def scramble(model: Any, optim: Any) -> None:
-    for _, t in named_tensors(model, optim):
-        if t.is_floating_point():
-            t.normal_()
-
-
-def same_bits(ref: list[tuple[str, torch.Tensor]], now: list[tuple[str, torch.Tensor]]) -> tuple[bool, list[str]]:
-    bad = [n for (n, a), (m, b) in zip(ref, now) if n != m or a.shape != b.shape or a.dtype != b.dtype
-           or not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))]
-    if len(ref) != len(now):
-        bad.append(f"{len(ref)} tensors before, {len(now)} after")
-    return not bad, bad[:5]
-
-
-# -- floors ------------------------------------------------------------------------------
-
-
-def timed(args: argparse.Namespace, fn: Callable[[], Any], nbytes: int, repeats: int = 3) -> dict[str, Any]:
-    fn()  # warm-up
-    sync(args)
-    samples = []
-    for _ in range(repeats):
-        sync(args)
-        t0 = time.perf_counter()
-        fn()
-        sync(args)
-        samples.append(time.perf_counter() - t0)
-    s = median(samples) or 0.0
-    return {"s": s, "samples": samples, "gbps": nbytes / s / 1e9 if s else None}
-
-
-def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    for d, s in zip(dsts, srcs):
-        d.copy_(s, non_blocking=True)
-
-
-def cuda_check(err: Any, what: str) -> None:
-    code = int(getattr(err, "value", err))
-    if code != 0:
-        raise RuntimeError(f"{what} failed with CUDA error {code}")
-
-
-def shm_floor(args: argparse.Namespace, ts: list[torch.Tensor], nbytes: int) -> dict[str, Any]:
-    """Floor (b): D2H into a file mapping in /dev/shm, page-locked with cudaHostRegister."""
-    offs, size = [], 0
-    for t in ts:
-        offs.append(size)
-        size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    out: dict[str, Any] = {}
-    with scratch_dir("bench-gpu-floor-") as root:
-        path = os.path.join(root, "slot")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            t0 = time.perf_counter()
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            out["map_s"] = time.perf_counter() - t0
-            buf = torch.frombuffer(mm, dtype=torch.uint8)
-            views = [buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offs, ts)]
-            registered = False
-            try:
-                if args.dev == "cuda":
-                    t0 = time.perf_counter()
-                    cuda_check(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0), "cudaHostRegister")
-                    registered = True
-                    out["register_s"] = time.perf_counter() - t0
-                out.update(timed(args, lambda: copy_all(views, ts), nbytes))
-            finally:
-                if registered:
-                    t0 = time.perf_counter()
-                    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-                    out["unregister_s"] = time.perf_counter() - t0
-                views.clear()
-                del buf
-                gc.collect()
-                mm.close()  # no tensor views it any more
-        finally:
-            os.close(fd)
-    return out
-
-
-def pinned_floors(args: argparse.Namespace, ts: list[torch.Tensor], nbytes: int, out: dict[str, Any]) -> None:
-    """Floors (a) and (c); on the CPU, plain buffers stand in for the pinned ones."""
-    cuda = args.dev == "cuda"
-    t0 = time.perf_counter()
-    bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in ts]
-    out["pinned_alloc_s"] = time.perf_counter() - t0
-    try:
-        out["d2h_pinned"] = timed(args, lambda: copy_all(bufs, ts), nbytes)
-        out["h2d_pinned"] = timed(args, lambda: copy_all(ts, bufs), nbytes)  # the same values back
-    finally:
-        bufs.clear()
-        gc.collect()
-        if cuda and hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()  # give the pinned pages back
-
-
-def d2d_floor(args: argparse.Namespace, ts: list[torch.Tensor], nbytes: int) -> dict[str, Any]:
-    dst = [torch.empty_like(t) for t in ts]
-    try:
-        return timed(args, lambda: copy_all(dst, ts), nbytes)
-    finally:
-        dst.clear()
-
-
-def run_floors(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
-    model, optim, x = build(args, args.tokens_copy)
-    warm_up(args, model, optim, x)
-    named = named_tensors(model, optim)
-    ts = [t for _, t in named if t.device.type == args.dev]
-    nbytes = sum(t.numel() * t.element_size() for t in ts)
-    report["state"].update(tensors=len(named), device_tensors=len(ts), bytes=nbytes)
-    out: dict[str, Any] = {"bytes": nbytes, "tensors": len(ts)}
-    steps: list[tuple[str, Callable[[], Any]]] = [
-        ("d2h_pinned", lambda: pinned_floors(args, ts, nbytes, out)),
-        ("d2h_registered_shm", lambda: out.__setitem__("d2h_registered_shm", shm_floor(args, ts, nbytes))),
-        ("d2d", lambda: out.__setitem__("d2d", d2d_floor(args, ts, nbytes))),
-    ]
-    for key, fn in steps:
-        log(f"  floor {key} ...")
-        try:
-            with torch.no_grad():
-                fn()
-        except Exception as exc:  # noqa: BLE001 - one floor failing leaves the others
-            out[key] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-            log(f"  FAILED: {exc}")
-        v = out.get(key) or {}
-        log(f"    {(v.get('s') or 0) * 1e3:.1f} ms, {v.get('gbps') or 0:.1f} GB/s")
-    return out
 
 
 # -- configurations ----------------------------------------------------------------------
@@ -319,7 +122,10 @@ def run_incluster(args: argparse.Namespace, report: dict[str, Any], kind: str, t
     with scratch_dir("bench-gpu-inc-") as root:
         job = f"gpu-{mode}-{kind}-{every}-{os.getpid()}"
         t0 = time.perf_counter()
-        ckpt = checkpointer(args, root, job, mode, keep=2)
+        # Saving every k steps, a save may start before the previous one is durable: a
+        # third slot lets it (keep=2 makes it wait for that commit).
+        res["keep"] = keep = 2 if every == args.every else 3
+        ckpt = checkpointer(args, root, job, mode, keep=keep)
         res["construct_s"] = time.perf_counter() - t0
         try:
             if hasattr(ckpt, "prepare"):
@@ -328,12 +134,17 @@ def run_incluster(args: argparse.Namespace, report: dict[str, Any], kind: str, t
                 res["prepare_s"] = time.perf_counter() - t0
             res["gpu_snapshot_active_after_prepare"] = getattr(ckpt, "gpu_snapshot_active", None)
             handles: list[tuple[int, Any]] = []
-            save_at = set(range(0, args.steps, every))
-            times = run_steps(args, model, optim, x, args.steps, save_at,
-                              lambda i: handles.append((i, ckpt.save(args.warmup + i, state))))
-            t0 = time.perf_counter()
-            ckpt.wait(WAIT_S)
-            res["wait_end_s"] = time.perf_counter() - t0
+            times: list[float] = []
+            try:  # a failing save keeps the saves and steps before it
+                run_steps(args, model, optim, x, args.steps, set(range(0, args.steps, every)),
+                          lambda i: handles.append((i, ckpt.save(args.warmup + i, state))), times=times)
+                t0 = time.perf_counter()
+                ckpt.wait(WAIT_S)
+                res["wait_end_s"] = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001
+                res["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                log(f"  FAILED at step {len(times)}: {type(exc).__name__}: {exc}")
+                restore = False
             res["gpu_snapshot_active"] = getattr(ckpt, "gpu_snapshot_active", None)
             res["steps_s"] = times
             res["saves"] = [{"i": i, "step": h.step, "blocked_s": h.blocked_s, "staged_s": h.staged_s,
@@ -348,7 +159,10 @@ def run_incluster(args: argparse.Namespace, report: dict[str, Any], kind: str, t
                     report["restore"] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
                     log(f"  restore FAILED: {exc}")
         finally:
-            ckpt.close()
+            try:
+                ckpt.close()
+            except Exception as exc:  # noqa: BLE001 - an error already raised by wait() comes again
+                res["close_error"] = f"{type(exc).__name__}: {exc}"
     return res
 
 
@@ -387,156 +201,6 @@ def run_restore(args: argparse.Namespace, root: str, job: str, ckpt: Any, model:
     return out
 
 
-class DcpRun:
-    """dcp.async_save the way its docs ask: the previous upload waited for before the next
-    call, staging waited for before the optimizer changes the state. ``stager``: a kept
-    DefaultStager's StagingOptions, else DCP's default (none given). The newest two
-    checkpoint folders are kept (like keep=2), older ones removed on a background thread."""
-
-    def __init__(self, root: str, stager: tuple[bool, bool, bool, bool] | None) -> None:
-        self.root, self.stager = root, None
-        if stager is not None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self.stager = DefaultStager(StagingOptions(*stager))
-        self.upload: Any = None
-        self.staging: Any = None
-        self.folders: list[str] = []
-        self.records: list[dict[str, Any]] = []
-        self.cleaner = ThreadPoolExecutor(1, thread_name_prefix="bench-dcp-clean")
-
-    def save(self, step: int, model: Any, optim: Any) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        t0 = time.perf_counter()
-        if self.upload is not None:
-            self.upload.result(WAIT_S)
-        while len(self.folders) >= 2:
-            self.cleaner.submit(shutil.rmtree, self.folders.pop(0), True)
-        path = os.path.join(self.root, f"step-{step:09d}")
-        self.folders.append(path)
-        sd = {"model": model.state_dict(), "optim": optim.state_dict()}
-        kw: dict[str, Any] = {"checkpoint_id": path}
-        if self.stager is not None:
-            kw["async_stager"] = self.stager
-        t1 = time.perf_counter()
-        resp = dcp.async_save(sd, **kw)
-        t2 = time.perf_counter()
-        rec: dict[str, Any] = {"step": step, "blocked_s": t2 - t1, "wait_prev_s": t1 - t0, "staged_s": None,
-                               "durable_s": None, "error": None}
-        self.records.append(rec)
-        if hasattr(resp, "upload_completion"):  # AsyncSaveResponse: staging may go on after the call
-            self.upload, self.staging = resp.upload_completion, resp.staging_completion
-            self.staging.add_done_callback(lambda _f, r=rec, t=t1: r.__setitem__("staged_s", time.perf_counter() - t))
-        else:  # a plain future: staged inside the call
-            self.upload, self.staging = resp, None
-            rec["staged_s"] = t2 - t1
-        self.upload.add_done_callback(lambda f, r=rec, t=t1: self._uploaded(r, f, time.perf_counter() - t))
-
-    @staticmethod
-    def _uploaded(rec: dict[str, Any], f: Any, seconds: float) -> None:
-        exc = f.exception()
-        rec["durable_s"] = seconds if exc is None else None
-        rec["error"] = None if exc is None else f"{type(exc).__name__}: {exc}"
-
-    def wait_staged(self) -> None:
-        if self.staging is not None:
-            self.staging.result(WAIT_S)
-            self.staging = None
-
-    def close(self) -> float:
-        t0 = time.perf_counter()
-        try:
-            if self.upload is not None:
-                self.upload.result(WAIT_S)
-        finally:
-            try:
-                if self.stager is not None:
-                    self.stager.close()
-            finally:
-                self.cleaner.shutdown(wait=True)
-        return time.perf_counter() - t0
-
-
-def run_dcp(args: argparse.Namespace, report: dict[str, Any], kind: str, tokens: int,
-            stager: tuple[bool, bool, bool, bool] | None, load: bool) -> dict[str, Any]:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    every = args.every
-    res: dict[str, Any] = {"system": "dcp", "tokens": tokens, "every": every, "stager": stager,
-                           "dist_initialized": dist.is_available() and dist.is_initialized()}
-    model, optim, x = build(args, tokens)
-    warm_up(args, model, optim, x)
-    steps = args.dcp_saves * every
-    last = (args.dcp_saves - 1) * every
-    ref: list[tuple[str, torch.Tensor]] = []
-
-    def after(i: int) -> None:  # the state as the last save saw it (unchanged until the next optim.step)
-        if load and i == last:
-            sync(args)
-            ref.extend((n, t.clone()) for n, t in named_tensors(model, optim))
-
-    with scratch_dir("bench-gpu-dcp-") as root:
-        run = DcpRun(root, stager)
-        try:
-            times = run_steps(args, model, optim, x, steps, set(range(0, steps, every)),
-                              lambda i: run.save(args.warmup + i, model, optim), run.wait_staged, after)
-        finally:
-            try:
-                res["close_s"] = run.close()
-            finally:
-                res["saves"] = run.records
-        res["steps_s"] = times
-        errs = [r["error"] for r in run.records if r.get("error")]
-        if errs:
-            res["error"] = errs[0]
-        res["saves_summary"] = save_summary(run.records, report.get("floors") or {})
-        base = ((report["baseline"].get(kind) or {}).get("stats") or {}).get("mean_s")
-        res["loop"] = loop_summary(times, sorted(set(range(0, steps, every))), base)
-        if load and ref and run.folders:
-            out: dict[str, Any] = {"runs": []}
-            try:
-                for _ in range(args.restore_repeats):
-                    scramble(model, optim)
-                    sync(args)
-                    t0 = time.perf_counter()
-                    dcp.load({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=run.folders[-1])
-                    sync(args)
-                    dt = time.perf_counter() - t0
-                    ok, bad = same_bits(ref, named_tensors(model, optim))
-                    out["runs"].append({"s": dt, "bitwise": ok, "mismatches": bad})
-                    log(f"  dcp.load: {dt * 1e3:.0f} ms, bitwise {ok}")
-            except Exception as exc:  # noqa: BLE001
-                out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-            secs = [r["s"] for r in out["runs"]]
-            if secs:
-                out.update(seconds=secs, min_s=min(secs), median_s=median(secs),
-                           bitwise=all(r["bitwise"] for r in out["runs"]))
-            report["dcp_load"] = out
-    return res
-
-
-def run_dcp_config(args: argparse.Namespace, report: dict[str, Any], kind: str, tokens: int,
-                   stager: tuple[bool, bool, bool, bool] | None, load: bool) -> dict[str, Any]:
-    """``run_dcp``; should DCP ask for a process group after all, again in a 1-rank gloo group."""
-    import torch.distributed as dist
-
-    try:
-        return run_dcp(args, report, kind, tokens, stager, load)
-    except Exception as exc:  # noqa: BLE001
-        text = f"{type(exc).__name__}: {exc}"
-        if "process group" not in text.lower() or dist.is_initialized():
-            raise
-    log(f"  DCP asked for a process group ({text}); again in a 1-rank gloo group")
-    path = os.path.join(tempfile.mkdtemp(prefix="bench-gpu-pg-", dir=RAM_DISK if os.path.isdir(RAM_DISK) else None), "store")
-    dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
-    report["process_group"] = {"backend": "gloo", "world_size": 1, "store": path, "why": text}
-    res = run_dcp(args, report, kind, tokens, stager, load)
-    res["first_error_without_process_group"] = text
-    return res
-
-
 # -- the run -----------------------------------------------------------------------------
 
 
@@ -558,9 +222,9 @@ def free(args: argparse.Namespace) -> None:
 def plan(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, str, Callable[[], Any]]]:
     """(name, kind of cost, runner) in the order they run: the most wanted first."""
     tok = {"copy": args.tokens_copy, "compute": args.tokens_compute}
-    p: list[tuple[str, str, Callable[[], Any]]] = [("floors", "floors", lambda: run_floors(args, report))]
+    p: list[tuple[str, str, Callable[[], Any]]] = [("floors", "floors", partial(run_floors, args, report))]
     for kind in ("copy", "compute"):
-        p.append((f"baseline.{kind}", "baseline", lambda kind=kind: run_baseline(args, tok[kind])))
+        p.append((f"baseline.{kind}", "baseline", partial(run_baseline, args, tok[kind])))
     ten = [(kind, mode) for kind in ("copy", "compute") for mode in ("snapshot", "direct")]
     if not args.features["gpu_snapshot_option"]:  # both modes would be the same run
         ten = [(kind, mode) for kind, mode in ten if mode == "direct"]
@@ -570,19 +234,18 @@ def plan(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, st
                     "skipped": "this incluster has no gpu_snapshot option"}
     for n, (kind, mode) in enumerate(ten):
         p.append((config_name(f"incluster.{mode}", kind, "10"), "incluster",
-                  lambda kind=kind, mode=mode, last=n == len(ten) - 1:
-                  run_incluster(args, report, kind, tok[kind], mode, args.every, restore=last)))
+                  partial(run_incluster, args, report, kind, tok[kind], mode, args.every, n == len(ten) - 1)))
     if not args.no_dcp:
         for kind in ("copy", "compute"):
             p.append((config_name("dcp.default", kind, "10"), "dcp",
-                      lambda kind=kind: run_dcp_config(args, report, kind, tok[kind], None, load=kind == "compute")))
+                      partial(run_dcp_config, args, report, kind, tok[kind], None, kind == "compute")))
     for kind, mode in ten:
         p.append((config_name(f"incluster.{mode}", kind, "k"), "incluster",
-                  lambda kind=kind, mode=mode: run_every_k(args, report, kind, tok[kind], mode)))
+                  partial(run_every_k, args, report, kind, tok[kind], mode)))
     if args.dcp_kept and not args.no_dcp:
         cuda = args.dev == "cuda"  # pinned, shared, async, non-blocking
         p.append((config_name("dcp.kept", "copy", "10"), "dcp",
-                  lambda: run_dcp_config(args, report, "copy", tok["copy"], (cuda, False, True, cuda), load=False)))
+                  partial(run_dcp_config, args, report, "copy", tok["copy"], (cuda, False, True, cuda), False)))
     return p
 
 
@@ -670,6 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def store(report: dict[str, Any], name: str, res: dict[str, Any]) -> None:
+    if name == "floors":
+        report["floors"] = res
+    elif name.startswith("baseline."):
+        report["baseline"][name.split(".", 1)[1]] = res
+    else:
+        report["configs"][name] = res
+
+
 def run_plan(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Each configuration in turn, within the time budget; the JSON after each."""
     cost: dict[str, float] = {}
@@ -679,6 +351,7 @@ def run_plan(args: argparse.Namespace, report: dict[str, Any]) -> None:
             msg = f"{name}: {elapsed():.0f} s elapsed + ~{est:.0f} s would pass the {args.budget_s:.0f} s budget"
             report["skipped"].append(msg)
             log(f"SKIP {msg}")
+            store(report, name, {"skipped": "time budget"})
             continue
         log(f"[{elapsed():5.0f} s] {name} ...")
         t0 = time.perf_counter()
@@ -694,12 +367,7 @@ def run_plan(args: argparse.Namespace, report: dict[str, Any]) -> None:
         report["durations_s"][name] = dt
         if args.dev == "cuda":
             res["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
-        if name == "floors":
-            report["floors"] = res
-        elif name.startswith("baseline."):
-            report["baseline"][name.split(".", 1)[1]] = res
-        else:
-            report["configs"][name] = res
+        store(report, name, res)
         free(args)
         report["elapsed_s"] = elapsed()
         write_json(args.out, report)

@@ -188,7 +188,7 @@ def notes(report: dict[str, Any]) -> list[str]:
     for name, c in (report.get("configs") or {}).items():
         if c.get("error") and not name.startswith("dcp.kept"):
             out.append(f"{name}: ERROR {c['error'].splitlines()[0][:300]}")
-        if c.get("skipped"):
+        if c.get("skipped") and c["skipped"] != "time budget":  # those are listed below
             skips.setdefault(c["skipped"], []).append(name)
     out += [f"skipped {', '.join(names)}: {why}" for why, names in skips.items()]
     for sect in ("floors", "restore", "dcp_load"):

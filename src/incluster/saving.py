@@ -93,6 +93,7 @@ class SavePipeline:
                 tree=job.flat.tree,
                 fsync=self.config.fsync,
                 ordinal=job.ordinal,
+                digests=tuple(job.digests) if job.digests is not None else None,
             )
         except BaseException as exc:  # noqa: BLE001 - reported through the futures
             self._fail(job, handle, exc, "staging")

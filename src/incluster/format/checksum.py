@@ -67,8 +67,17 @@ class Checksum:
         return cls(size=size, chunk=chunk, digests=tuple(digests), algo=algo)
 
 
-def _digest(view: memoryview) -> str:
+def digest(view: Any) -> str:
+    """One chunk's digest (xxh3-64, hex); releases the GIL while it hashes."""
     return format(xxhash.xxh3_64_intdigest(view), "016x")
+
+
+_digest = digest
+
+
+def checksum_pool() -> ThreadPoolExecutor:
+    """The process's hashing threads (``hash_threads()`` of them)."""
+    return _executor()
 
 
 def compute(buf: Any, size: int | None = None, chunk: int = DEFAULT_CHUNK) -> Checksum:

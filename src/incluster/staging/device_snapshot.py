@@ -7,9 +7,12 @@ backward of a small step. A device-to-device copy of the same bytes takes ~1 ms 
 so the optimizer waits for that only; the drain overlaps the following steps.
 
 The buffer mirrors the slot file from the first to the last GPU tensor (the same
-offsets), so one ``copy_`` per *run* moves everything: a run is a stretch of the file
-with no large CPU tensor in it. Small CPU tensors inside a run (AdamW's step counters)
-are cloned when the save starts and written into the slot after the drain.
+offsets), so the drain copies whole *runs*: a run is a stretch of the file with no large
+CPU tensor in it. Small CPU tensors (AdamW's step counters) are cloned when the save
+starts and put in place (inside a run: into the buffer) before the drain. The drain
+moves 16 MiB at a time with two copies in flight, and each checksum chunk of the file is
+hashed as soon as the drain has passed it, so the shard's digests are ready a few
+milliseconds after its last byte lands; the writer then only renames and records.
 
 Memory: ``gpu_snapshot=None`` (automatic) takes the buffer only out of memory this job
 has never reserved so far (device total minus the caching allocator's peak, and no more
@@ -23,16 +26,20 @@ Only imported when a save holds CUDA tensors.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from incluster.format.checksum import checksum_pool, digest
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.layout import Layout
 
 log = logging.getLogger("incluster")
-SMALL_CPU = 1 << 20  # CPU tensors up to this size are cloned and written after the drain
+SMALL_CPU = 1 << 20  # CPU tensors up to this size are cloned at the start of staging
+PIECE = 16 << 20  # bytes per device-to-host copy of the drain (~0.3 ms over PCIe 5)
+WINDOW = 2  # drain copies in flight at once
 GiB = 2**30
 
 
@@ -46,6 +53,7 @@ class Plan:
     runs: list[tuple[int, int]]  # file ranges moved by one device-to-host copy each
     gpu: list[int]  # entry indices of the GPU tensors
     views: list[torch.Tensor]  # typed views into the buffer, one per ``gpu`` entry
+    inside: dict[int, torch.Tensor]  # small CPU tensors inside a run: their place in the buffer
 
 
 def make_runs(layout: Layout, kinds: Sequence[str]) -> tuple[int, int, list[tuple[int, int]]]:
@@ -105,7 +113,13 @@ class DeviceSnapshots:
             e = layout.entries[i]
             raw = buf[e.offset - lo : e.offset - lo + e.nbytes]  # type: ignore[index]
             views.append(raw.view(NAME_TO_DTYPE[e.spec.dtype]).view(e.spec.shape))
-        plan = self._plans[key] = Plan(dev, lo, hi, runs, gpu, views)
+        inside = {}
+        for i, k in enumerate(kinds):
+            e = layout.entries[i]
+            if k == "s" and e.nbytes and any(a <= e.offset and e.offset + e.nbytes <= b for a, b in runs):
+                raw = buf[e.offset - lo : e.offset - lo + e.nbytes]  # type: ignore[index]
+                inside[i] = raw.view(NAME_TO_DTYPE[e.spec.dtype]).view(e.spec.shape)
+        plan = self._plans[key] = Plan(dev, lo, hi, runs, gpu, views, inside)
         self.active = True
         return plan
 
@@ -169,11 +183,39 @@ def snap(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any, start: Any) -
     return ev
 
 
-def drain(plan: Plan, buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any) -> Any:
-    """Enqueue the device-to-host copies of every run on ``stream``; returns the event."""
+def drain(plan: Plan, buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any, chunk: int) -> list[str]:
+    """Copy every run to the slot in ``PIECE``-byte copies, at most ``WINDOW`` in flight,
+    and hash each ``chunk`` of the file as soon as the copies have passed it; returns the
+    digests of the whole file (the header and bytes outside the runs must be in already).
+
+    Small pieces, paced from the host, keep the device-to-host copy engine from holding
+    the training loop's own small copies (``loss.item()``) behind gigabytes of drain."""
+    size = slot_buf.numel()
+    view = memoryview(slot_buf.numpy())  # type: ignore[arg-type]
+    pool = checksum_pool()
+    futures: list[Any] = []
+    flight: deque[tuple[int, Any]] = deque()
+    done_to = plan.lo  # every byte below this is in the slot
+
+    def advance(upto: int) -> None:
+        while len(futures) * chunk < size and min(size, (len(futures) + 1) * chunk) <= upto:
+            k = len(futures)
+            futures.append(pool.submit(digest, view[k * chunk : min(size, (k + 1) * chunk)]))
+
     with torch.cuda.device(plan.device), torch.cuda.stream(stream):
         for a, b in plan.runs:
-            slot_buf[a:b].copy_(buf[a - plan.lo : b - plan.lo], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-    return ev
+            for at in range(a, b, PIECE):
+                end = min(b, at + PIECE)
+                slot_buf[at:end].copy_(buf[at - plan.lo : end - plan.lo], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                flight.append((end, ev))
+                while len(flight) > WINDOW:
+                    done_to, first = flight.popleft()
+                    first.synchronize()
+                    advance(done_to)
+    while flight:
+        done_to, ev = flight.popleft()
+        ev.synchronize()
+    advance(size)
+    return [f.result() for f in futures]

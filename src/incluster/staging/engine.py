@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from incluster.format.checksum import DEFAULT_CHUNK, compute
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.layout import Layout, LayoutCache
 from incluster.staging.slots import Slot, SlotRing
@@ -51,6 +52,7 @@ class StageJob:
     flat: Flat | None = None
     layout: Layout | None = None
     ordinal: int = 0  # how many save() calls this Checkpointer took before this one
+    digests: list[str] | tuple[str, ...] | None = None  # the shard's chunk digests, if hashed here
 
     def mark_staged(self) -> None:
         """The state may change from now on (its bytes are out, or in the device snapshot)."""
@@ -118,9 +120,16 @@ class Stager:
 
             views = self._views(job.slot, layout)  # maps (and page-locks) a slot not warmed yet
             cuda.register(job.slot)
-            drain(plan, self._device.buf, job.slot.buf, self._copier().stream(plan.device)).synchronize()  # type: ignore[arg-type]
-            for i, clone in after:
-                views[i].copy_(clone)
+            stream = self._copier().stream(plan.device)
+            with torch.cuda.device(plan.device), torch.cuda.stream(stream):
+                for i, clone in after:  # before the drain, in stream order
+                    (plan.inside[i] if i in plan.inside else views[i]).copy_(clone)
+            job.digests = drain(plan, self._device.buf, job.slot.buf, stream, DEFAULT_CHUNK)  # type: ignore[arg-type]
+        elif job.cuda_done and job.slot.buf is not None:
+            # The bytes are in the slot: staged. Hashing them here, in parallel, spares the
+            # writer process a pass (and a first mapping with its page tables) per slot.
+            job.mark_staged()
+            job.digests = compute(job.slot.buf.numpy(), layout.total_size, DEFAULT_CHUNK).digests
         flat.tensors = []  # the bytes are in the slot now; let go of the live tensors
 
     @staticmethod

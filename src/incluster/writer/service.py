@@ -152,7 +152,9 @@ class CommitService:
             cached[3].close()
             os.close(cached[2])
         fd = os.open(req.staging_path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-        mm = mmap.mmap(fd, req.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        # Hashed already (a GPU save): nothing reads it all now, so no page-table pass either.
+        populate = 0 if req.digests is not None else getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, req.size, flags=mmap.MAP_SHARED | populate)
         self._maps[key] = (st.st_ino, req.size, fd, mm)
         return mm
 
