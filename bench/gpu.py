@@ -31,7 +31,8 @@ model from the same seed and runs 2 warm-up steps first. In this order:
              steps per batch size; its staging is waited for before the optimizer step
              after a save; then ``dcp.load`` of the last save (2x, bitwise check)
   every k    the incluster runs again with a save every k steps,
-             k = max(2, ceil(floor (b) / baseline median step))
+             k = max(2, ceil(floor (b) / baseline median step)), with keep=3 (a save may
+             then start before the previous one is durable)
   dcp kept   (if time is left) DCP's best GPU setting, a kept
              DefaultStager(StagingOptions(True, False, True, True)), copy-bound, every 10:
              its numbers, or the error it ends with
