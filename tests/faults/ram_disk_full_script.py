@@ -25,6 +25,7 @@ def main() -> int:
     state = {"w": torch.arange(65536, dtype=torch.float32), "extra": {"step": 1}}
     ck = incluster.Checkpointer(local_dir=folder, job="full", writer="thread", slot_timeout_s=20)
     ck.save(1, state).wait()
+    ck.prepare(state).result(20)  # every slot allocated before the disk fills (no race with it)
     if mode == "fill":
         with open(os.path.join(folder, "filler"), "wb") as f:
             try:
