@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,7 @@ from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager
-from incluster.staging.slots import Slot, SlotRing, SlotState, step_file
+from incluster.staging.slots import Slot, SlotRing, SlotState
 from incluster.testing import faults
 from incluster.writer.base import Writer
 from incluster.writer.local_commit import CommitRequest
@@ -182,13 +181,7 @@ class SavePipeline:
         )
         if err is not exc:
             err.__cause__ = exc
-        final = os.path.join(self.folder, step_file(job.step))
-        if job.slot.state is SlotState.COMMITTED and job.slot.step == job.step:
-            self.ring.discard(job.step)  # committed here, but not on every rank: never loadable
-        if os.path.exists(final):
-            os.replace(final, os.path.join(self.folder, f".staging-{job.slot.index}"))
-        job.slot.path = os.path.join(self.folder, f".staging-{job.slot.index}")
-        self.ring.release(job.slot)
+        self.ring.fail(job.slot, job.step)  # one locked transition: no save can take it half way
         self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
         with self._lock:
             self._errors.append((handle, err))

@@ -40,29 +40,30 @@ def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
     """Training continues from ``step``: every copy of a newer step on this node (own
     shards and replicas alike) belongs to an abandoned timeline. Un-commit them all, so
     a later restore can never mix an old-timeline copy with a new one of the same step,
-    and replication never declines a new step because a stale copy has its name. Shard
-    files my own ring holds stay (un-committed, its ``reset_to`` dropped their sidecars):
-    their pages are reused by the next slot it hands out."""
+    and replication never declines a new step because a stale copy has its name. Only
+    commit markers are removed here: every shard file stays with the ring that owns it
+    (mine, another local rank's, a writer's replica ring), which reuses its pages; a
+    file no ring holds is cleaned up when a ring adopts the folder."""
     base = os.path.join(local_dir, job)
     try:
         names = os.listdir(base)
     except FileNotFoundError:
         return
-    kept = {os.path.abspath(s.path) for s in ring.slots}
+    mine = os.path.abspath(ring.folder)
     for n in names:
         if not (n.startswith("rank-") and n[5:].isdigit()):
             continue
         folder = os.path.join(base, n)
+        if os.path.abspath(folder) == mine:
+            continue  # my own ring un-committed them (reset_to); their files are its slots
         for newer in committed_steps(folder):
             if newer > step:
-                for name in (sidecar_file(newer), step_file(newer)):  # the marker first
-                    path = os.path.join(folder, name)
-                    if os.path.abspath(path) in kept:
-                        continue
-                    try:
-                        os.unlink(path)
-                    except FileNotFoundError:
-                        pass
+                # Only the marker: the step is gone. The shard file may be another local
+                # rank's slot (or a writer's replica slot), mapped by its owner, who reuses it.
+                try:
+                    os.unlink(os.path.join(folder, sidecar_file(newer)))
+                except FileNotFoundError:
+                    pass
 
 
 def bad_copy(ctx: Any, report: Any, owner: int, step: int, exc: Exception) -> None:

@@ -193,17 +193,38 @@ class SlotRing:
     def discard(self, step: int) -> None:
         """Un-commit a step found corrupt: its sidecar goes, its slot becomes free."""
         with self._cond:
-            try:
-                os.unlink(os.path.join(self.folder, sidecar_file(step)))
-            except FileNotFoundError:
-                pass
-            for s in self.slots:
-                if s.step == step and s.state is SlotState.COMMITTED:
-                    s.state, s.step = SlotState.FREE, None
-            steps = [s.step for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None]
-            self.newest_committed = max(steps) if steps else None
-            if self.newest_global is not None and self.newest_global >= step:
-                self.newest_global = max((x for x in steps if x < step), default=None)
+            self._discard(step)
+            self._cond.notify_all()
+
+    def _discard(self, step: int) -> None:
+        try:
+            os.unlink(os.path.join(self.folder, sidecar_file(step)))
+        except FileNotFoundError:
+            pass
+        for s in self.slots:
+            if s.step == step and s.state is SlotState.COMMITTED:
+                s.state, s.step = SlotState.FREE, None
+        steps = [s.step for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None]
+        self.newest_committed = max(steps) if steps else None
+        if self.newest_global is not None and self.newest_global >= step:
+            self.newest_global = max((x for x in steps if x < step), default=None)
+
+    def fail(self, slot: Slot, step: int) -> None:
+        """A save of ``step`` into ``slot`` failed: un-commit whatever it committed here,
+        move its file back to the slot's staging name and free the slot - one transition
+        under the lock, so no ``acquire`` can take the slot half way. A slot that no
+        longer holds ``step`` is left alone."""
+        with self._cond:
+            if slot.step != step:
+                return
+            if slot.state is SlotState.COMMITTED:
+                self._discard(step)  # committed here, but not on every rank: never loadable
+            staging = os.path.join(self.folder, f"{STAGING_PREFIX}{slot.index}")
+            final = os.path.join(self.folder, step_file(step))
+            if os.path.exists(final):
+                os.replace(final, staging)
+            slot.path = staging
+            slot.state, slot.step = SlotState.FREE, None
             self._cond.notify_all()
 
     def reset_to(self, step: int | None) -> None:

@@ -1,0 +1,63 @@
+"""The slot ring is the one owner of slot state: a failed save frees its slot in one
+locked transition (no save can take it half way), and a restore never deletes files
+another rank's ring owns."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from incluster.recovery.node import abandon_newer
+from incluster.staging.slots import SlotRing, SlotState, sidecar_file, step_file
+
+
+def test_a_failed_commit_frees_its_slot_atomically_while_a_save_waits(local_dir, monkeypatch):
+    ring = SlotRing(os.path.join(local_dir, "rank-00000"), keep=2)
+    a = ring.acquire(1, 5)
+    ring.prepare(a, 4096)
+    os.replace(a.path, os.path.join(ring.folder, step_file(1)))
+    open(os.path.join(ring.folder, sidecar_file(1)), "w").close()
+    ring.mark_committed(a, 1, os.path.join(ring.folder, step_file(1)))
+    b = ring.acquire(2, 5)  # the ring is full: a third save must wait for a slot
+    ring.prepare(b, 4096)
+
+    real_replace = os.replace
+
+    def slow_replace(src, dst):  # widen the failure's window: a taker would slip in here
+        time.sleep(0.3)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    taken: list = []
+    waiter = threading.Thread(target=lambda: taken.append(ring.acquire(3, 5)))
+    ring.set_global(1)  # step 1 complete everywhere, step 2 still in flight: slot a may not go yet
+    waiter.start()
+    time.sleep(0.1)
+    assert not taken, "no slot is free yet"
+    # Step 1 turns out not to be committed everywhere (its outcome failed): free slot a.
+    ring.fail(a, 1)
+    waiter.join(5)
+    assert taken and taken[0] is a
+    assert a.state is SlotState.STAGING and a.step == 3, "the failure must not free a slot a new save took"
+    assert a.path == os.path.join(ring.folder, ".staging-0") and os.path.exists(a.path)
+    assert not os.path.exists(os.path.join(ring.folder, sidecar_file(1)))
+    ring.fail(a, 1)  # a late, repeated report of the old failure leaves the new save alone
+    assert a.state is SlotState.STAGING and a.step == 3
+    ring.close()
+
+
+def test_abandoning_newer_steps_removes_only_markers_in_other_ranks_folders(local_dir):
+    job = os.path.join(local_dir, "job")
+    mine = SlotRing(os.path.join(job, "rank-00000"), keep=2)
+    other = os.path.join(job, "rank-00001")  # another local rank's ring owns these files
+    os.makedirs(other)
+    for step in (3, 5):
+        with open(os.path.join(other, step_file(step)), "wb") as f:
+            f.write(b"x" * 100)
+        open(os.path.join(other, sidecar_file(step)), "w").close()
+    abandon_newer(local_dir, "job", 3, mine)
+    assert os.path.exists(os.path.join(other, sidecar_file(3)))  # not newer: untouched
+    assert not os.path.exists(os.path.join(other, sidecar_file(5)))  # un-committed
+    assert os.path.exists(os.path.join(other, step_file(5))), "another rank's slot file was deleted"
+    mine.close()
