@@ -94,6 +94,9 @@ class Checkpointer(SavePipeline):
         self._writer_lock = threading.Lock()
         self._writer_restarts = 0
         self._saves = 0
+        # The highest step save() took or published as failed (a failure is published only
+        # above it); steps this rank's RAM folder already holds count.
+        self._highest = max((sl.step for sl in self.ring.slots if sl.step is not None), default=-1)
         self._writer: Writer = (
             ProcessWriter(params, on_persisted=self._persisted, on_death=self._writer_died)
             if self.config.writer == "process"
@@ -131,14 +134,21 @@ class Checkpointer(SavePipeline):
         by forward/backward. Tensors may not be mutated until ``handle.staged`` (the
         optimizer pre-step hook waits for it automatically)."""
         t0 = time.perf_counter()
-        self._check_usable()
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; create a new one")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int (got {step!r})")
         ordinal, self._saves = self._saves, self._saves + 1  # counted even if it fails: alike on every rank
-        snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers)
-        if left and not self._unguarded_warned:
-            self._warn_unguarded(left)
-        slot = self.ring.acquire(step, self.config.slot_timeout_s)
+        try:
+            self._check_usable()  # an earlier background error surfaces here
+            snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers)
+            if left and not self._unguarded_warned:
+                self._warn_unguarded(left)
+            slot = self.ring.acquire(step, self.config.slot_timeout_s)
+        except BaseException as exc:
+            self._refused(step, exc)
+            raise
+        self._highest = max(self._highest, step)
         job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from incluster.staging import cuda
@@ -154,6 +164,20 @@ class Checkpointer(SavePipeline):
         handle.blocked_s = time.perf_counter() - t0
         self.events.record(ev.SAVE, step=step, blocked_s=handle.blocked_s)
         return handle
+
+    def _refused(self, step: int, exc: BaseException) -> None:
+        """save(step) raised on this rank: publish the step as failed at once, so no
+        partner waits ``slot_timeout_s`` for a shard that will never come. Not for a step
+        that is not new here (a repeated or decreasing step must not un-commit the step
+        already saved under that number)."""
+        if step <= self._highest:
+            return
+        self._highest = step
+        try:
+            self._live_writer().fail(step, f"save() raised on rank {self.rank}: {type(exc).__name__}: {exc}")
+        except Exception as err:  # noqa: BLE001 - the caller gets the original error
+            log.warning("incluster: rank %d could not tell the other ranks that step %d failed: %s",
+                        self.rank, step, err)
 
     def _warn_unguarded(self, left: list[torch.Tensor]) -> None:
         self._unguarded_warned = True
@@ -274,6 +298,7 @@ class Checkpointer(SavePipeline):
         )
         if report.step is not None:
             self.ring.reset_to(report.step)
+            self._highest = report.step
             replicate = bool(self.replica_targets or self.world_size > 1)
             if heal is not None:
                 # The received copy is verified and in place; writing it into this node's

@@ -282,6 +282,11 @@ class Replicator:
             ring.set_global(step)
             ring.drop_unheld(step)
 
+    def discard(self, step: int) -> None:
+        """``step`` failed: un-commit every replica of it held here; their slots are free."""
+        for ring in self.rings.values():
+            ring.discard(step)
+
     def close(self) -> None:
         for ring in self.rings.values():
             ring.close()

@@ -100,7 +100,10 @@ class CommitService:
             self.replicator.exchange(step, own, self.coord)
         except BaseException as exc:
             self.fail(step, f"replication: {type(exc).__name__}: {exc}")
+            self.on_failed(step)
             raise
+        if own is None:  # this rank failed the step: it can never be complete anywhere
+            self.on_failed(step)
 
     def replicate_committed(self, folder: str, step: int) -> None:
         """After a restore: send this rank's (healed) shard of ``step`` to its partners.
@@ -131,6 +134,12 @@ class CommitService:
     def on_outcome(self, step: int) -> None:
         if self.replicator is not None:
             self.replicator.set_global(step)
+
+    def on_failed(self, step: int) -> None:
+        """``step`` failed on some rank: the replicas of it held here are garbage; their
+        slots are free again (else a replica ring full of a failed step refuses the next)."""
+        if self.replicator is not None:
+            self.replicator.discard(step)
 
     def fail(self, step: int, reason: str) -> None:
         try:
