@@ -47,6 +47,16 @@ log = logging.getLogger("incluster")
 def _rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    try:
+        launched = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    except ValueError:
+        launched = 1
+    if launched > 1:  # every rank would write as rank 0 of 1, into the same folder
+        raise CheckpointError(
+            f"this process is one of {launched} ranks (WORLD_SIZE={launched}, RANK="
+            f"{os.environ.get('RANK', '?')}) but torch.distributed is not initialized; call "
+            f"torch.distributed.init_process_group() before creating the Checkpointer"
+        )
     return 0, 1
 
 
@@ -65,6 +75,9 @@ class Checkpointer(SavePipeline):
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         if self.rank == 0:
             ramdisk.hint_once(self.config.local_dir)
+            if not options.get("job") and not os.environ.get("INCLUSTER_JOB"):
+                log.info("incluster: job %r (derived from the launch; pass job= or set INCLUSTER_JOB to "
+                         "name it, e.g. to resume it from another launch)", self.config.job)
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
         _refuse_links(os.path.dirname(self.folder), self.folder)
         reserve.ensure(reserve.reserve_path(os.path.dirname(self.folder), self.rank))  # see reserve.py
@@ -90,6 +103,7 @@ class Checkpointer(SavePipeline):
             persist=wiring.persist_params(self.config, self.rank, self.world_size),
         )
         self.replica_targets = targets
+        self._stager.replica_slots = len(sources) * self.config.keep  # partners' shards held here
         self._writer_params = params
         self._writer_lock = threading.Lock()
         self._writer_restarts = 0

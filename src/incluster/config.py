@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +22,9 @@ class Config:
     local_dir: str
     """Tier 0: this node's RAM-disk folder (``INCLUSTER_LOCAL_DIR``, default /dev/shm/incluster)."""
     job: str
-    """Namespace of this job's files (default ``TORCHELASTIC_RUN_ID``, else "default")."""
+    """Namespace of this job's files: ``INCLUSTER_JOB``, else torchrun's ``TORCHELASTIC_RUN_ID``
+    (unless it is torchrun's default, "none"), else a name derived from the launch (see
+    ``default_job``) - never one that unrelated runs share."""
     node: str
     """This node's identity (``INCLUSTER_NODE``, default the host name)."""
     keep: int = 2
@@ -104,7 +109,7 @@ def resolve(
     rd = run_dir if run_dir is not None else env.get("INCLUSTER_RUN_DIR")
     return Config(
         local_dir=os.path.abspath(os.fspath(local_dir or env.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR)),
-        job=job or env.get("INCLUSTER_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default",
+        job=job or env.get("INCLUSTER_JOB") or default_job(),
         node=node or env.get("INCLUSTER_NODE") or socket.gethostname(),
         keep=keep,
         replicas=replicas,
@@ -120,6 +125,29 @@ def resolve(
         persistent_keep=persistent_keep,
         persistent_options=persistent_options,
     )
+
+
+def default_job() -> str:
+    """The job name when none is given: torchrun's run id if it set a real one; otherwise
+    the training script's name plus a digest of what identifies this launch - for a
+    multi-rank job the rendezvous endpoint (MASTER_ADDR:MASTER_PORT, the same on every
+    rank), for a single process the script's absolute path and the working directory.
+    A restart of the same launch resumes; a different script, folder or endpoint never
+    shares (or loads) another run's checkpoints because the shapes happen to match."""
+    env = os.environ
+    rid = env.get("TORCHELASTIC_RUN_ID")
+    if rid and rid != "none":
+        return rid if _JOB_SAFE.match(rid) else "run-" + hashlib.blake2b(rid.encode(), digest_size=6).hexdigest()
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", os.path.splitext(os.path.basename(main))[0]) if main else "interactive"
+    if int(env.get("WORLD_SIZE", "1") or "1") > 1:
+        key = f"{stem}|{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    else:
+        key = f"{os.path.abspath(main) if main else ''}|{os.getcwd()}"
+    return f"{stem.lstrip('._-')[:64] or 'run'}-{hashlib.blake2b(key.encode(), digest_size=4).hexdigest()}"
+
+
+_JOB_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def _persistent_url(value: Any) -> Any:

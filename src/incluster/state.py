@@ -148,8 +148,11 @@ def _capture(
     if isinstance(obj, tuple):
         return tuple(_capture(v, optimizers, allow_pickle, bare) for v in obj)
     if isinstance(obj, torch.nn.Module):
-        buffers = {b.data_ptr(): b.clone() for b in obj.buffers() if b.numel() > 0}
-        return _Captured("module", obj.state_dict(), buffers)
+        sd = obj.state_dict()
+        saved = {v.data_ptr() for v in sd.values() if isinstance(v, torch.Tensor)}
+        # Only buffers the state dict holds: non-persistent ones are not saved, so not copied.
+        buffers = {b.data_ptr(): b.clone() for b in obj.buffers() if b.numel() > 0 and b.data_ptr() in saved}
+        return _Captured("module", sd, buffers)
     if isinstance(obj, torch.optim.Optimizer):
         optimizers.append(obj)
         return _Captured("optimizer", obj.state_dict(), {})

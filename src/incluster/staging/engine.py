@@ -16,6 +16,7 @@ IMPORTANT: no collectives and no blocking on other ranks here; this thread only 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -84,6 +85,7 @@ class Stager:
         self.gpu_snapshot = gpu_snapshot
         self.layouts = LayoutCache()
         self.pin = False
+        self.replica_slots = 0  # slots this rank's writer keeps for its partners' replicas
         self._cuda: Any = None
         self._device: Any = None  # device_snapshot.DeviceSnapshots, at the first GPU save
         self._helper: ThreadPoolExecutor | None = None
@@ -240,9 +242,12 @@ class Stager:
 
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
         if self.layouts.misses == 1 and self.layouts.hits == 0:
+            mib = layout.total_size / 2**20
             log.info(
-                "incluster: shard is %.1f MiB; staging uses %d slot files = %.1f MiB of %s, allocated once",
-                layout.total_size / 2**20, self.ring.keep, self.ring.keep * layout.total_size / 2**20, self.ring.folder,
+                "incluster: shard is %.1f MiB; this rank takes about %.1f MiB of %s: %d slot files of its "
+                "own (%.1f MiB, allocated once) and %d for its replication partners' shards (if alike in size)",
+                mib, (self.ring.keep + self.replica_slots) * mib, os.path.dirname(self.ring.folder), self.ring.keep,
+                self.ring.keep * mib, self.replica_slots,
             )
         buf = self.ring.prepare(slot, layout.total_size)
         if slot.header_fp != layout.fingerprint:

@@ -1,0 +1,55 @@
+"""Who is saving, and under which job: a multi-rank process without a process group is
+refused, the job name never defaults to one unrelated runs share, and only what is
+saved is copied."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import incluster
+from incluster.config import default_job
+from incluster.state import snapshot
+
+
+def test_a_rank_of_a_multi_rank_job_without_a_process_group_is_refused(local_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(incluster.CheckpointError, match="init_process_group"):
+        incluster.Checkpointer(local_dir=local_dir, job="j")
+
+
+def test_the_default_job_is_never_torchruns_none_and_follows_the_script(monkeypatch, tmp_path):
+    monkeypatch.delenv("INCLUSTER_JOB", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default rendezvous id
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__file__", str(tmp_path / "train.py"), raising=False)
+    monkeypatch.chdir(tmp_path)
+    a = default_job()
+    assert a.startswith("train-") and a not in ("none", "default")
+    assert default_job() == a  # a restart of the same launch resumes
+    monkeypatch.setattr(main, "__file__", str(tmp_path / "other" / "train.py"))
+    assert default_job() != a  # another script (of the same name) does not share it
+    monkeypatch.setattr(main, "__file__", str(tmp_path / "train.py"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    multi = default_job()
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    assert default_job() != multi  # another rendezvous: another job
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-42")
+    assert default_job() == "run-42"
+    assert incluster.config.resolve(local_dir=str(tmp_path)).job == "run-42"
+
+
+def test_non_persistent_buffers_are_not_copied_at_save_time():
+    m = torch.nn.Linear(4, 4)
+    m.register_buffer("cache", torch.zeros(1000), persistent=False)
+    m.register_buffer("stat", torch.zeros(3))
+    snap, _, _ = snapshot({"m": m})
+    captured = snap.tree["m"]
+    assert m.stat.data_ptr() in captured.buffers
+    assert m.cache.data_ptr() not in captured.buffers
