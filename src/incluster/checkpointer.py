@@ -220,9 +220,10 @@ class Checkpointer(SavePipeline):
 
     def _pre_step_hook(self, *_: Any) -> None:
         """Optimizer pre-step: parameters must not change before the save's copy (or a
-        restore's heal) is done."""
+        restore's heal) is done. Host time spent waiting is recorded as save cost."""
         healing = self._healing
         if healing is not None and not healing.done():
+            t0 = time.perf_counter()
             try:
                 healing.result(self.config.slot_timeout_s)
             except TimeoutError:
@@ -230,10 +231,20 @@ class Checkpointer(SavePipeline):
                     f"writing the restored step into this node's RAM disk did not finish within "
                     f"{self.config.slot_timeout_s:.0f} s; the optimizer step cannot run before it"
                 ) from None
+            finally:
+                self.events.record(ev.STAGE_WAIT, step=self.last_restore.step if self.last_restore else None,
+                                   seconds=time.perf_counter() - t0)
         job = self._inflight
-        if job is None or job.staged.done():
+        if job is None or job.staged.done() or job.host_done.is_set():
+            if job is not None and job.cuda_done and not job.staged.done():
+                from incluster.staging import cuda
+
+                cuda.wait_on_compute(job.cuda_done)
             return
-        if not job.host_done.wait(self.config.slot_timeout_s):
+        t0 = time.perf_counter()
+        done = job.host_done.wait(self.config.slot_timeout_s)
+        self.events.record(ev.STAGE_WAIT, step=job.step, seconds=time.perf_counter() - t0)
+        if not done:
             raise PeerTimeoutError(
                 f"staging of step {job.step} did not finish within {self.config.slot_timeout_s:.0f} s; "
                 f"the optimizer step cannot run before it (raise slot_timeout_s?)"

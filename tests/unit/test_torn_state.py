@@ -147,3 +147,27 @@ def test_the_step_hook_is_global_and_goes_at_close(local_dir):
     assert len(_global_optimizer_pre_hooks) == before + 1
     ck.close()
     assert len(_global_optimizer_pre_hooks) == before
+
+
+def test_time_the_optimizer_waits_for_staging_is_counted_as_save_cost(local_dir, slow_staging, tmp_path):
+    import json
+
+    from incluster.goodput.reader import read_run
+    from incluster.goodput.report import account_rank
+
+    m, o = _model_and_optim()
+    run = tmp_path / "run"
+    with incluster.Checkpointer(local_dir=local_dir, job="torn", writer="thread", run_dir=run) as ck:
+        _grads(m)
+        o.step()
+        h = ck.save(1, {"model": m, "optim": o})
+        _grads(m)
+        o.step()  # waits ~0.3 s for the late staging
+        h.wait()
+    events = [json.loads(x) for f in run.iterdir() for x in f.read_text().splitlines()]
+    waits = [e for e in events if e["kind"] == "stage_wait"]
+    assert len(waits) == 1 and waits[0]["step"] == 1 and waits[0]["seconds"] > 0.2, waits
+    attempts = next(iter(read_run(run).values()))
+    t = [float(e["t"]) for e in events]
+    acc = account_rank(attempts, min(t), max(t))
+    assert acc["checkpoint_save"] >= waits[0]["seconds"]

@@ -38,6 +38,9 @@ STAGED = "staged"
 #: A save became recoverable from a tier. Fields: ``step``, ``tier`` (one of ``TIERS``),
 #: ``seconds`` (since ``save()`` was called).
 DURABLE = "durable"
+#: The trainer waited in the optimizer pre-step hook for a save's copy (or a restore's
+#: heal) to finish: save cost, not training. Fields: ``step``, ``seconds``.
+STAGE_WAIT = "stage_wait"
 #: A save failed in the background. Fields: ``step``, ``error`` (the message).
 SAVE_FAILED = "save_failed"
 #: ``load()`` finished. Fields: ``step`` (restored step, or null when nothing was found
@@ -50,7 +53,7 @@ TRAIN_STEP = "train_step"
 #: The run finished cleanly (``Checkpointer.close()`` after the last step). No fields.
 END = "end"
 
-KINDS = (START, SAVE, STAGED, DURABLE, SAVE_FAILED, LOAD, TRAIN_STEP, END)
+KINDS = (START, SAVE, STAGED, STAGE_WAIT, DURABLE, SAVE_FAILED, LOAD, TRAIN_STEP, END)
 TIERS = ("local", "replica", "persistent")
 
 #: Kinds that are written at once: they are rare (checkpoint-scale) and the report needs them.

@@ -4,7 +4,9 @@ Reads every ``events-*.jsonl`` of a run folder (one file per process: one attemp
 rank; a restart is a new attempt) and accounts each rank's share of the run's wall-clock
 window ``[first start, last event]`` to exactly one category:
 
-- **checkpoint save**: seconds ``save()`` blocked the trainer (``save.blocked_s``).
+- **checkpoint save**: seconds ``save()`` blocked the trainer (``save.blocked_s``, which
+  includes waiting for a free slot) plus seconds the optimizer pre-step hook waited for a
+  save's copy (``stage_wait.seconds``).
 - **checkpoint load**: seconds ``load()`` took (``load.seconds``).
 - **lost progress**: time spent on steps that a later attempt computed again. Attempt *j*'s
   work after the last moment it held a step <= S is lost, where S is the lowest step any
@@ -86,6 +88,8 @@ def _busy(a: Attempt, lo: float, hi: float) -> float:
         if lo < float(e["t"]) <= hi:
             if e["kind"] == ev.SAVE:
                 total += _num(e, "blocked_s")
+            elif e["kind"] == ev.STAGE_WAIT:
+                total += _num(e, "seconds")
             elif e["kind"] == ev.LOAD:
                 total += _num(e, "seconds")
     return total
@@ -96,6 +100,7 @@ def account_rank(attempts: list[Attempt], t0: float, t1: float) -> dict[str, flo
     acc = dict.fromkeys(CATEGORIES, 0.0)
     for a in attempts:
         acc["checkpoint_save"] += sum(_num(e, "blocked_s") for e in a.of(ev.SAVE))
+        acc["checkpoint_save"] += sum(_num(e, "seconds") for e in a.of(ev.STAGE_WAIT))
         acc["checkpoint_load"] += sum(_num(e, "seconds") for e in a.of(ev.LOAD))
     for j, a in enumerate(attempts):
         marks = _marks(a)
