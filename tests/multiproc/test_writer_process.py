@@ -148,3 +148,26 @@ def test_writer_exits_when_its_trainer_is_killed(local_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_writer_that_stops_reading_is_killed_after_a_bounded_send(local_dir):
+    """A stopped (or deadlocked) writer never blocks the staging thread for ever: a send
+    it does not take within 3 x slot_timeout_s kills it, and the restart path follows."""
+    from incluster.writer.protocol import Kind, Message
+
+    with incluster.Checkpointer(local_dir=local_dir, job="w", slot_timeout_s=1.0) as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait()
+        writer, pid = ck._writer, ck.writer_pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match="took no message"):
+                writer._send(Message(Kind.FAIL, writer.gen, step=99, error="x" * (8 << 20)))  # > the socket buffer
+            assert time.monotonic() - t0 < 10
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        writer.proc.wait(10)
+        assert not _alive(pid)

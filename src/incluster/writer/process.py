@@ -20,7 +20,8 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -67,6 +68,11 @@ class ProcessWriter:
         self.pid: int | None = self.proc.pid
         self.conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
+        self._tx = ThreadPoolExecutor(1, thread_name_prefix="incluster-writer-tx")
+        # Longer than the writer may legitimately be busy between reads (a commit, then a
+        # replication that waits up to the timeout for each of its rounds).
+        self.send_timeout_s = 3 * params.outcome_timeout_s
+        self._hung: str | None = None
         self._pending: dict[int, tuple[Future[tuple[str, bool]], Future[None]]] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
@@ -97,8 +103,17 @@ class ProcessWriter:
         return self._dead
 
     def _send(self, msg: Message) -> None:
+        """Send on a helper thread and wait at most ``send_timeout_s``: a writer that does
+        not read its socket for that long (stopped, deadlocked) is killed - the usual
+        restart path takes over - instead of blocking the staging thread for ever."""
         with self._send_lock:
-            self.conn.send(msg)
+            fut = self._tx.submit(self.conn.send, msg)
+            try:
+                fut.result(self.send_timeout_s)
+            except FutureTimeout:
+                self._hung = f"took no message for {self.send_timeout_s:.0f} s and was killed"
+                self.proc.kill()
+                raise TimeoutError(f"the writer process (pid {self.pid}) {self._hung}") from None
 
     def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[tuple[str, bool]], Future[None]]":
         local: Future[tuple[str, bool]] = Future()
@@ -183,7 +198,7 @@ class ProcessWriter:
         except subprocess.TimeoutExpired:
             code = None
         err = WriterProcessDied(
-            f"the writer process (pid {self.pid}) {_describe(code)}; saves in flight are lost "
+            f"the writer process (pid {self.pid}) {self._hung or _describe(code)}; saves in flight are lost "
             f"(committed steps are intact)"
         )
         with self._lock:
@@ -211,6 +226,7 @@ class ProcessWriter:
             self.proc.kill()
             self.proc.wait()
         self.conn.close()
+        self._tx.shutdown(wait=False)
 
 
 def next_generation() -> int:
