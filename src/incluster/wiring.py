@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -25,11 +26,9 @@ def start_store(config: Config, rank: int, world_size: int) -> tuple[object, Sto
     """(store server or None, its address, my replica targets, my replica sources)."""
     if world_size == 1:
         return None, None, (), ()
-    import torch.distributed as dist
-
     from incluster.topology import Topology, replica_targets
 
-    from incluster.recovery.gather import gather_to_zero
+    from incluster.recovery.gather import gather_to_zero, scatter_from_zero
 
     nodes = gather_to_zero(config.node, rank, world_size)  # O(W) bytes in all
     server, plans = None, None
@@ -48,11 +47,10 @@ def start_store(config: Config, rank: int, world_size: int) -> tuple[object, Sto
         for r, ts in targets.items():
             for t in ts:
                 sources[t].append(r)
-        plans = [(address, targets[r], tuple(sorted(sources[r]))) for r in range(world_size)]
-    box: list[Any] = [None]
-    dist.scatter_object_list(box, plans, src=0)
-    address, my_targets, my_sources = box[0]
-    return server, address, my_targets, my_sources
+        plans = [[dataclasses.asdict(address), list(targets[r]), sorted(sources[r])] for r in range(world_size)]
+    mine = scatter_from_zero(plans, rank, world_size)  # JSON, never pickle
+    address = StoreAddress(**mine[0])
+    return server, address, tuple(int(t) for t in mine[1]), tuple(int(s) for s in mine[2])
 
 
 def release_store(server: Any, address: StoreAddress | None, config: Config, rank: int, world_size: int) -> None:

@@ -23,6 +23,7 @@ round succeeds the error says the state was partly overwritten.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -33,7 +34,7 @@ import torch
 
 from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from incluster.recovery.from_persistent import download, persistent_plan
-from incluster.recovery.gather import device_for_collectives, gather_to_zero
+from incluster.recovery.gather import device_for_collectives, gather_to_zero, scatter_from_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing
 from incluster.recovery.plan import RankPlan, make_plan
@@ -330,8 +331,15 @@ def _plan_round(
             plans = list(plan.ranks)
     if dist is None:
         return plans[0] if plans else RankPlan(None)
-    box: list[Any] = [None]
-    dist.scatter_object_list(box, plans, src=0)
-    return box[0]
+    wire = None if plans is None else [p if isinstance(p, str) else dataclasses.asdict(p) for p in plans]
+    got = scatter_from_zero(wire, ctx.rank, ctx.world_size)  # JSON, never pickle
+    if isinstance(got, str):
+        return got
+    try:
+        mine = RankPlan(**got)
+    except TypeError as exc:
+        raise CheckpointError(f"rank 0 sent a restore plan this rank cannot read ({exc}); are all ranks "
+                              f"running the same incluster version?") from None
+    return dataclasses.replace(mine, sends=tuple(int(r) for r in mine.sends))
 
 
