@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,13 @@ from incluster.writer.local_commit import commit_received, parse_received_sideca
 log = logging.getLogger("incluster")
 _MAX_SIDECAR = 256 * 1024 * 1024
 _SYNC_TAG = 0  # a rebuilt pair's first message (exchange tags are step * 4 + 1..3)
+
+
+def _room(ring: SlotRing) -> int:
+    """Bytes a replica may take in ``ring``'s folder: free space plus the largest slot it
+    could reuse."""
+    st = os.statvfs(ring.folder)
+    return st.f_bavail * st.f_frsize + max((sl.size for sl in ring.slots), default=0)
 
 
 def writer_key(job: str, rank: int) -> str:
@@ -86,6 +94,7 @@ class Replicator:
         self.keep = keep
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.incarnation = incarnation
+        self._refused: dict[int, str] = {}  # step -> why a partner's replica was refused
         client = TCPStore(addr.host, addr.port, is_master=False, timeout=self.timeout, wait_for_workers=False)
         self._client = client
         # One two-member gloo group per partner, not one group of all W writers: O(replicas)
@@ -217,6 +226,9 @@ class Replicator:
         works = [self._recv([t], dst, self._tag(step, 2)) for dst, t in needs.items()]
         works += [self._send([t], src, self._tag(step, 2)) for src, t in answers.items()]
         self._wait_all(works)
+        refused = self._refused.pop(step, None)
+        if refused is not None:
+            coord.failed(step, refused)
         return self._data_round(step, own, headers, answers, needs, coord)
 
     def _wants(self, owner: int, step: int, header: torch.Tensor) -> bool:
@@ -227,7 +239,15 @@ class Replicator:
             log.warning("incluster: rank %d sent a %d-byte sidecar for step %d; refused", owner, sc_len, step)
             return False
         ring = self._ring(owner)
-        return step not in ring.committed_steps() and all(s.step is None or s.step < step for s in ring.slots)
+        if not (step not in ring.committed_steps() and all(s.step is None or s.step < step for s in ring.slots)):
+            return False
+        room = _room(ring)
+        if size > room:  # checked before anything is allocated: a bad header must not fill the RAM disk
+            self._refused[step] = (f"rank {owner} announced a {size}-byte shard for step {step}, but rank "
+                                   f"{self.rank}'s RAM disk has room for {room}")
+            log.warning("incluster: %s; the replica is refused and the step fails", self._refused[step])
+            return False
+        return True
 
     def _data_round(self, step: int, own: OwnShard | None, headers: dict[int, torch.Tensor],
                     answers: dict[int, torch.Tensor], needs: dict[int, torch.Tensor], coord: Coordinator) -> list[int]:

@@ -61,3 +61,18 @@ def test_abandoning_newer_steps_removes_only_markers_in_other_ranks_folders(loca
     assert not os.path.exists(os.path.join(other, sidecar_file(5)))  # un-committed
     assert os.path.exists(os.path.join(other, step_file(5))), "another rank's slot file was deleted"
     mine.close()
+
+
+def test_a_replica_larger_than_the_ram_disk_is_refused_before_allocation(local_dir):
+    import torch
+
+    from incluster.replication import Replicator
+
+    rep = Replicator.__new__(Replicator)  # the decision alone: no store or process group needed
+    rep.rank, rep.job, rep.local_dir, rep.keep, rep.rings, rep._refused = 0, "job", local_dir, 2, {}, {}
+    assert rep._wants(1, 5, torch.tensor([5, 100, 4096])) is True
+    assert rep._wants(1, 6, torch.tensor([6, 100, 1 << 60])) is False
+    assert "room" in rep._refused[6]
+    assert all(s.size == 0 for s in rep.rings[1].slots), "nothing may be allocated for a refused replica"
+    for ring in rep.rings.values():
+        ring.close()
