@@ -213,6 +213,16 @@ class Checkpointer(SavePipeline):
         snap, _, _ = snapshot(state, allow_pickle=self.config.allow_pickle)
         return self._stage_pool.submit(self._prepare, snap)
 
+    def _prepare_after_load(self, state: Mapping[str, Any]) -> None:
+        """The slot files for a state of this shape are made in the background now, so
+        the first save does not allocate them (a state that grows at its first optimizer
+        step is re-made after the save that shows it). Never fails the load."""
+        try:
+            snap, _, _ = snapshot(state, allow_pickle=self.config.allow_pickle)
+            self._stage_pool.submit(self._prepare, snap, False)
+        except Exception as exc:  # noqa: BLE001 - an optimisation only; save() reports real problems
+            log.debug("incluster: slots not prepared after load: %s", exc)
+
     def record_step(self, step: int) -> None:
         """Mark training progress (cheap, buffered) so goodput reports can tell exactly
         how much work a failure cost. Optional."""
@@ -332,6 +342,7 @@ class Checkpointer(SavePipeline):
                 self._healing = self._stage_pool.submit(self._heal, heal, report.step, replicate)
             elif replicate:
                 self._replicate_restored(report.step)  # heal the replicas, in background
+        self._prepare_after_load(state)  # after the heal, which the next optimizer step waits for
         return report.step
 
     def _heal(self, heal: Any, step: int, replicate: bool) -> None:

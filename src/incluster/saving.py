@@ -272,11 +272,16 @@ class SavePipeline:
                 self._warned_warm = True
                 log.warning("incluster: could not prepare checkpoint slots ahead of the next save: %s", exc)
 
-    def _prepare(self, snap: Any) -> None:
-        """Staging thread: ``Checkpointer.prepare``."""
+    def _prepare(self, snap: Any, device: bool = True) -> None:
+        """Staging thread: ``Checkpointer.prepare`` (``device``: also the device-side
+        snapshot buffer; not when ``load()`` prepares, before training has shown how much
+        GPU memory it needs)."""
         from incluster.state import flatten_snapshot
 
         flat = flatten_snapshot(snap, allow_pickle=self.config.allow_pickle)
         layout = self._stager.layouts.get(tuple(flat.specs))
-        self._stager.prepare_for(flat.tensors, layout)
+        if device:
+            self._stager.prepare_for(flat.tensors, layout)
+        elif any(t.is_cuda for t in flat.tensors):
+            self._stager.pin = True
         self._warm(layout)

@@ -58,3 +58,18 @@ def test_a_grown_state_remaps_free_slots_after_the_save_not_in_the_next(local_di
 def test_gpu_snapshot_option_is_validated():
     with pytest.raises(ValueError, match="gpu_snapshot"):
         incluster.Checkpointer(local_dir="/dev/shm/x", gpu_snapshot=-1)
+
+
+def test_load_prepares_the_slots_so_the_first_save_maps_nothing(local_dir):
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    train(m, o, 1)
+    state = {"model": m, "optim": o}
+    with _ckpt(local_dir) as ck:
+        assert ck.load(state) is None  # nothing saved yet: a fresh start
+        ck._stage_pool.submit(lambda: None).result(30)
+        assert len(ck.ring.slots) == ck.ring.keep and all(s.maps == 1 for s in ck.ring.slots)
+        maps = _maps(ck)
+        train(m, o, 1)
+        ck.save(1, state).wait()
+        assert _maps(ck) == maps
