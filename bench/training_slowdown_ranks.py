@@ -70,8 +70,6 @@ def worker(args: argparse.Namespace) -> int:
     elif kind.startswith("dcp"):
         dcp_saver = DcpSaver(os.path.join(args.root, "dcp"), kind, rank)
     state = {"model": model, "optim": optim}
-    if ckpt is not None:
-        ckpt.load(state)  # what a job does first (nothing to restore here): slots are made meanwhile
     handles: list[Any] = []
 
     steps: list[dict[str, Any]] = []
