@@ -7,8 +7,11 @@ had when that step was saved.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -100,12 +103,19 @@ def test_copies_of_abandoned_steps_are_dropped_everywhere_after_a_restore(local_
     shutil.rmtree(os.path.join(local_dir, "B"))
     # make step 4 incomplete: rank 1's only other copy (its replica on C) is lost too
     os.unlink(os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.json"))
+    restarted = time.time()
     codes, second, job = _run(local_dir, 1, nodes=["A", "E", "C", "D"], env=THREAD, steps=6)
     assert codes == [0] * 4, [job.output(r) for r in range(4)]
     _assert_restored(second, first, 2)
     # steps 4 and 6 of the new timeline are saved and complete; none of the old step 4 is left
     for r in range(4):
         assert second[r]["errors"] == {}, second[r]["errors"]
+    markers = glob.glob(os.path.join(local_dir, "*", "mp", "rank-*", "step-000000000004.json"))
+    assert len(markers) >= 8, markers  # every rank's shard and its replica
+    for path in markers:
+        with open(path) as f:
+            created = json.load(f)["created"]
+        assert created >= restarted, f"{path} is a commit record of the abandoned timeline"
 
 
 def test_a_corrupt_copy_found_in_transfer_falls_back_to_an_older_step_on_every_rank(local_dir):
