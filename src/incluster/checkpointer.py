@@ -376,14 +376,26 @@ class Checkpointer(SavePipeline):
         finally:
             self._closed = True
             self._guard.close()
-            self._stage_pool.shutdown(wait=True)
+            stuck = not self._staging_idle(self.config.slot_timeout_s)
+            self._stage_pool.shutdown(wait=not stuck)
             with self._writer_lock:  # not while a dead writer's successor is starting
                 self._writer.close(self.config.slot_timeout_s)
-            self.ring.close()
+            if not stuck:  # a staging thread still copying keeps its mappings: unmapping would crash it
+                self.ring.close()
             wiring.release_store(self._store_server, self._store_address, self.config, self.rank, self.world_size)
             self._store_server = None
             self.events.record(ev.END)
             self.events.close()
+
+    def _staging_idle(self, timeout: float) -> bool:
+        """Wait (bounded) until the staging thread has finished what it was given."""
+        try:
+            self._stage_pool.submit(lambda: None).result(timeout)
+            return True
+        except TimeoutError:
+            log.warning("incluster: rank %d: the staging thread is still busy after %.0f s; closing without "
+                        "it (its slot files stay mapped until the process ends)", self.rank, timeout)
+            return False
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -260,3 +260,23 @@ def test_many_tensors_over_both_copy_threads_land_exactly(local_dir):
             with ShardReader(ck.folder, step) as r:
                 for name, t in state.items():
                     assert torch.equal(r.tensor(name), t), (step, name)
+
+
+def test_close_is_bounded_when_staging_is_stuck(local_dir, monkeypatch):
+    from incluster.staging.engine import Stager
+
+    run = Stager.run
+    release = __import__("threading").Event()
+
+    def stuck(self, job):  # a copy that does not come back (a hung device, a stopped disk)
+        release.wait(20)
+        return run(self, job)
+
+    monkeypatch.setattr(Stager, "run", stuck)
+    ck = _ckpt(local_dir, slot_timeout_s=1.0)
+    ck.save(1, {"w": torch.ones(4)})
+    t0 = time.monotonic()
+    with pytest.raises(incluster.CheckpointError):
+        ck.close()  # the save never became durable: said, not waited for without end
+    assert time.monotonic() - t0 < 6
+    release.set()
