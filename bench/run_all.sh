@@ -12,3 +12,8 @@ run training_slowdown
 run coordination_scale
 run recovery
 run persistent
+# On a machine with CUDA: the GPU benches too (they need no other setup).
+if "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "== gpu"; "$py" bench/gpu.py --out "$out/gpu.json" 2>&1 | tee "$out/gpu.txt"
+    echo "== gpu_overlap"; "$py" bench/gpu_overlap.py --out "$out/gpu_overlap.json" 2>&1 | tee "$out/gpu_overlap.txt"
+fi
