@@ -45,9 +45,6 @@ class StepGuard:
         self._seen.add(opt)
         self._on_step()
 
-    def seen(self) -> list[torch.optim.Optimizer]:
-        return list(self._seen)
-
     def pointers(self, found: Iterable[torch.optim.Optimizer]) -> set[int]:
         """Data pointers that only an optimizer step changes: parameters and state of the
         optimizers found in the state and of every optimizer seen stepping."""

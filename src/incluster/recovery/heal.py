@@ -15,6 +15,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from incluster.guard import optimizer_pointers
 from incluster.state_load import live_targets
 
 
@@ -37,9 +38,7 @@ def _guarded(state: Mapping[str, Any]) -> set[int]:
         elif isinstance(obj, torch.nn.Module):
             out.update(p.data_ptr() for p in obj.parameters())
         elif isinstance(obj, torch.optim.Optimizer):
-            out.update(p.data_ptr() for g in obj.param_groups for p in g["params"])
-            for s in obj.state.values():
-                out.update(t.data_ptr() for t in s.values() if isinstance(t, torch.Tensor))
+            out |= optimizer_pointers(obj)
     return out
 
 

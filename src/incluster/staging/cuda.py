@@ -85,26 +85,11 @@ class CudaCopier:
                 stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 for dst, src in items:
-                    _copy_in_pieces(dst, src)
+                    dst.copy_(src, non_blocking=True)
                 end = torch.cuda.Event()
                 end.record(stream)
             done.append(end)
         return done
-
-
-PIECE = 16 << 20  # bytes per device-to-host copy: the copy engine is never held for long
-
-
-def _copy_in_pieces(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src, non_blocking=True)`` cut into ``PIECE``-byte copies where both are
-    plain contiguous memory, so the training loop's own small device-to-host copies
-    (``loss.item()``) queue behind one piece, not behind the whole tensor."""
-    if src.nbytes <= PIECE or not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype:
-        dst.copy_(src, non_blocking=True)
-        return
-    s, d = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
-    for at in range(0, s.numel(), PIECE):
-        d[at : at + PIECE].copy_(s[at : at + PIECE], non_blocking=True)
 
 
 def wait_on_compute(done: Sequence[torch.cuda.Event]) -> None:

@@ -49,7 +49,6 @@ class Plan:
 
     device: int
     lo: int  # file offset of the buffer's first byte
-    hi: int
     runs: list[tuple[int, int]]  # file ranges moved by one device-to-host copy each
     gpu: list[int]  # entry indices of the GPU tensors
     views: list[torch.Tensor]  # typed views into the buffer, one per ``gpu`` entry
@@ -58,7 +57,8 @@ class Plan:
 
 def make_runs(layout: Layout, kinds: Sequence[str]) -> tuple[int, int, list[tuple[int, int]]]:
     """(lo, hi, runs) over entries of kind "g" (GPU); kind "c" (a large CPU tensor)
-    breaks a run, kind "s" (a small CPU tensor, rewritten after the drain) does not."""
+    breaks a run, kind "s" (a small CPU tensor, put into the buffer before the drain)
+    does not."""
     order = sorted(range(len(kinds)), key=lambda i: layout.entries[i].offset)
     runs: list[tuple[int, int]] = []
     start = end = None
@@ -119,7 +119,7 @@ class DeviceSnapshots:
             if k == "s" and e.nbytes and any(a <= e.offset and e.offset + e.nbytes <= b for a, b in runs):
                 raw = buf[e.offset - lo : e.offset - lo + e.nbytes]  # type: ignore[index]
                 inside[i] = raw.view(NAME_TO_DTYPE[e.spec.dtype]).view(e.spec.shape)
-        plan = self._plans[key] = Plan(dev, lo, hi, runs, gpu, views, inside)
+        plan = self._plans[key] = Plan(dev, lo, runs, gpu, views, inside)
         self.active = True
         return plan
 
@@ -160,9 +160,6 @@ class DeviceSnapshots:
             self._said.add(key)
             log.warning("%s", msg)
 
-    def release(self) -> None:
-        self.buf, self._plans, self.active = None, {}, False
-
 
 def snap(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any, start: Any) -> Any:
     """Enqueue the device-to-device copies on ``stream`` after ``start``; returns the event
@@ -188,8 +185,8 @@ def drain(plan: Plan, buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any, ch
     and hash each ``chunk`` of the file as soon as the copies have passed it; returns the
     digests of the whole file (the header and bytes outside the runs must be in already).
 
-    Small pieces, paced from the host, keep the device-to-host copy engine from holding
-    the training loop's own small copies (``loss.item()``) behind gigabytes of drain."""
+    The pieces exist so hashing can start while the drain goes on. (They do not spare a
+    training loop's ``loss.item()`` the wait for the drain: ``bench/gpu_overlap.py``.)"""
     size = slot_buf.numel()
     view = memoryview(slot_buf.numpy())  # type: ignore[arg-type]
     pool = checksum_pool()

@@ -168,7 +168,7 @@ class Stager:
         self, job: StageJob, tensors: list[torch.Tensor], layout: Layout, kinds: list[str], plan: Any
     ) -> list[tuple[int, torch.Tensor]]:
         """Device-side snapshot: enqueue the GPU copies first, then the CPU tensors (large
-        ones straight into the slot, small ones cloned to write after the drain)."""
+        ones straight into the slot, small ones cloned, put in place before the drain)."""
         from incluster.staging.device_snapshot import snap
 
         stream = self._copier().stream(plan.device)
