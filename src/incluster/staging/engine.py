@@ -108,6 +108,10 @@ class Stager:
                 plan = self._devices().plan(layout, flat.tensors, kinds)
             if plan is None:
                 self._copy_direct(job, flat.tensors, layout)
+                if not job.cuda_done:
+                    # Every byte is in the slot: staged before the pre-step hook is released,
+                    # so a step that waited finds ``handle.staged`` resolved.
+                    job.mark_staged()
             else:
                 after = self._snap(job, flat.tensors, layout, kinds, plan)
         finally:
