@@ -148,24 +148,32 @@ def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> None:
         saved = dict((k, v) for k, v in node["v"].get("d", []))
         if obj.state or not saved.get("state", {}).get("d"):
             continue
-        params = [p for g in obj.param_groups for p in g["params"] if p.requires_grad]
-        grads = [p.grad for p in params]
-        lrs = [g.get("lr") for g in obj.param_groups]
-        try:
+        init_optimizer_state(obj)
+
+
+def init_optimizer_state(obj: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped its state tensors: one step with zero
+    gradients and a learning rate of 0 (parameters unchanged). An optimizer that cannot
+    step that way (LBFGS needs a closure) is left without state."""
+    params = [p for g in obj.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in obj.param_groups]
+    try:
+        with torch.no_grad():
             for p in params:
                 p.grad = torch.zeros_like(p)
             for g in obj.param_groups:
                 if "lr" in g:
                     g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
             obj.step()
-        except Exception:  # noqa: BLE001 - e.g. LBFGS needs a closure: fall back to rebuilt tensors
-            obj.state.clear()
-        finally:
-            for g, lr in zip(obj.param_groups, lrs):
-                if lr is not None:
-                    g["lr"] = lr
-            for p, g in zip(params, grads):
-                p.grad = g
+    except Exception:  # noqa: BLE001 - e.g. LBFGS needs a closure: fall back to rebuilt tensors
+        obj.state.clear()
+    finally:
+        for g, lr in zip(obj.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def _check_tree(state: Mapping[str, Any], tree: Any) -> None:

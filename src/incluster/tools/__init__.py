@@ -61,8 +61,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("export", help="assemble one full state dict from every rank's shard of a step")
     _locations(p)
     p.add_argument("--step", type=int, required=True, help="the step to export")
-    p.add_argument("--to", choices=("safetensors", "torch"), required=True,
-                   help="safetensors (tensors; other values in OUT.json) or torch (one torch.save dict)")
-    p.add_argument("out", metavar="OUT", help="the file to write")
+    p.add_argument("--to", choices=("safetensors", "torch", "dcp"), required=True,
+                   help="safetensors (tensors; other values in OUT.json), torch (one torch.save dict) or "
+                        "dcp (a torch.distributed.checkpoint folder: dcp.load reshards it to any world size)")
+    p.add_argument("out", metavar="OUT", help="the file to write (for dcp, a new folder)")
     _intermixed(p)
     p.set_defaults(func=export.run)

@@ -1,4 +1,4 @@
-"""``incluster export DIR... --step N --to safetensors|torch OUT``: one full state dict.
+"""``incluster export DIR... --step N --to safetensors|torch|dcp OUT``: one full state dict.
 
 Reads one verified copy of every rank's shard of step N (own copy first, then replicas,
 then the persistent tier) and assembles a single state keyed by the flattened paths of
@@ -214,11 +214,18 @@ def run(args: argparse.Namespace) -> int:
             state = assemble(readers)
             meta = {"format": "incluster-export", "version": 1, "job": job, "step": args.step, "world_size": w,
                     "sources": {str(r): c.where for r, c in used.items()}}
-            files = write_safetensors(state, args.out, meta) if args.to == "safetensors" else write_torch(state, args.out)
+            if args.to == "dcp":
+                from incluster.tools.dcp_export import nested_state, write_dcp
+
+                files = write_dcp(nested_state({r: rd.sidecar.tree for r, rd in readers.items()}, state), args.out)
+            elif args.to == "safetensors":
+                files = write_safetensors(state, args.out, meta)
+            else:
+                files = write_torch(state, args.out)
         except CheckpointError as exc:
             line(out, "[red]refused:[/]", str(exc))
             return 1
-        except OSError as exc:
+        except OSError as exc:  # FileExistsError included: a dcp folder is never overwritten
             line(err, "[red]error:[/]", f"cannot write {args.out}: {exc}")
             return 2
     finally:

@@ -1,0 +1,123 @@
+"""Start an incluster job from a torch.distributed.checkpoint (DCP) checkpoint.
+
+A job moving to incluster often has DCP checkpoints already (or a seed checkpoint, or
+one written by ``incluster export --to dcp``). :func:`load_dcp` loads one into the same
+live ``state`` dict the job passes to ``Checkpointer.save``/``load``, in place, with DCP's
+own resharding (any saved world size or mesh into the job's current one)::
+
+    start = ckpt.load(state)                      # newest incluster step, if any
+    if start is None:
+        start = load_dcp(state, "/ckpt/step-1000", step=1000)
+
+It is collective when a process group is initialized (every rank calls it), as
+``dcp.load`` is. On top of a plain ``dcp.load(state, checkpoint_id=path)`` it:
+
+- gives optimizers that have not stepped yet their state tensors first (otherwise DCP
+  finds no ``exp_avg`` to load into and silently leaves the moments at zero);
+- refuses, naming the keys, a checkpoint that lacks something ``state`` holds, or holds
+  a top-level entry ``state`` does not name (``strict=False`` loads what matches);
+- reads local paths and fsspec URLs (``s3://...``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from incluster.errors import CheckpointError, NoCheckpointError
+
+
+def _reader(path: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    if "://" in path and not path.startswith("file://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path)
+    return dcp.FileSystemReader(path.removeprefix("file://"))
+
+
+def _metadata(path: str) -> Any:
+    try:
+        return _reader(path).read_metadata()
+    except FileNotFoundError as exc:
+        raise NoCheckpointError(f"no DCP checkpoint at {path}: {exc}") from None
+
+
+def stored_keys(path: str) -> list[str]:
+    """The flattened keys (``model.layers.0.weight``) a DCP checkpoint holds."""
+    return sorted(_metadata(path).state_dict_metadata)
+
+
+def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
+    """Give plain dicts in ``state`` the entries the checkpoint holds and they lack.
+
+    DCP loads only into keys the live state already has; an empty ``{"extra": {}}`` would
+    come back empty, silently. incluster's own ``load`` fills such containers, so this does
+    too: tensors as empty tensors of the stored shape and dtype, other values as None, at
+    the paths DCP recorded (``planner_data``)."""
+    paths = getattr(meta, "planner_data", None)
+    if not isinstance(paths, dict):
+        return
+    for fqn, item in meta.state_dict_metadata.items():
+        path = paths.get(fqn)
+        if not isinstance(path, tuple) or len(path) < 2 or not isinstance(state.get(path[0]), dict):
+            continue
+        node: Any = state[path[0]]
+        for part in path[1:-1]:
+            if not isinstance(node, dict):
+                break
+            node = node.setdefault(part, {})
+        else:
+            if isinstance(node, dict) and path[-1] not in node:
+                size = getattr(item, "size", None)
+                node[path[-1]] = None if size is None else torch.empty(size, dtype=item.properties.dtype)
+
+
+def _prepare_optimizers(state: Mapping[str, Any], keys: list[str]) -> None:
+    from incluster.state_load import init_optimizer_state
+
+    for name, obj in state.items():
+        if isinstance(obj, torch.optim.Optimizer) and not obj.state:
+            if any(k.startswith(f"{name}.state.") for k in keys):
+                init_optimizer_state(obj)
+
+
+def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, strict: bool = True) -> int | None:
+    """Load the DCP checkpoint at ``path`` into ``state`` in place; return ``step``.
+
+    ``state`` is the dict the job checkpoints with incluster: Modules, Optimizers, objects
+    with ``state_dict()``/``load_state_dict()``, tensors/DTensors and nested containers."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    meta = _metadata(path)
+    keys = sorted(meta.state_dict_metadata)
+    tops = {k.split(".", 1)[0] for k in keys}
+    extra = sorted(tops - set(state))
+    if strict and extra:
+        raise CheckpointError(
+            f"{path} holds entries {extra} that the state passed does not name (it names "
+            f"{sorted(state)}); add them to the state, or pass strict=False to load only what matches"
+        )
+    _prepare_optimizers(state, keys)
+    _fill_containers(state, meta)
+    if not strict:
+        # DCP refuses a live key the checkpoint lacks; load only the entries it has.
+        part = {k: v for k, v in state.items() if k in tops}
+        if not part:
+            raise CheckpointError(f"{path} holds none of the state's entries {sorted(state)} (it holds {sorted(tops)})")
+    else:
+        part = state
+    try:
+        dcp.load(part, storage_reader=_reader(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+    except (RuntimeError, CheckpointException) as exc:  # name what does not match
+        raise CheckpointError(
+            f"loading the DCP checkpoint {path} into this state failed: {exc}. Its entries are "
+            f"{sorted(tops)}; load with the same structure it was saved with"
+        ) from exc
+    if part is not state:
+        state.update(part)
+    return step

@@ -1,0 +1,154 @@
+"""DCP interop: ``incluster export --to dcp`` writes a folder ``dcp.load`` reads (resharded
+to another layout), and a job starts from a DCP checkpoint and goes on with incluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import incluster
+from incluster.integrations.dcp import load_dcp
+from incluster.testing.launch import launch
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "dcp_script.py")
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+
+
+def train(m: torch.nn.Module, o: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for s in steps:
+        x, y = batch(s)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    m = model(seed=99)  # different weights: everything must come from the checkpoint
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def test_export_to_dcp_is_read_by_dcp_load(local_dir, tmp_path):
+    m = model()
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    train(m, o, range(3))
+    with incluster.Checkpointer(local_dir=local_dir, job="exp") as ck:
+        ck.save(3, {"model": m, "optim": o, "extra": {"tokens": 4096, "lr": 0.5, "tag": "x"}}).wait()
+    out = str(tmp_path / "dcp")
+    proc = subprocess.run([sys.executable, "-m", "incluster", "export", local_dir, "--step", "3", "--to", "dcp", out],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "exported" in proc.stdout and os.path.exists(os.path.join(out, ".metadata"))
+
+    # Plain DCP, no incluster on the loading side: the model's keys are where dcp.load looks.
+    plain = model(seed=5)
+    dcp.load({"model": plain}, checkpoint_id=out)
+    for (k, a), b in zip(m.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), k
+
+    # load_dcp with an optimizer that has never stepped: its moments come back too.
+    m2, o2 = fresh()
+    extra: dict = {}
+    state = {"model": m2, "optim": o2, "extra": extra}
+    assert load_dcp(state, out, step=3) == 3
+    assert extra == {"tokens": 4096, "lr": 0.5, "tag": "x"}
+    assert len(o2.state) == len(o.state)
+    for p, q in zip(o.state.values(), o2.state.values()):
+        for k in p:
+            assert torch.equal(p[k], q[k]), k
+    assert train(m2, o2, range(3, 6)) == train(m, o, range(3, 6))
+
+    again = subprocess.run([sys.executable, "-m", "incluster", "export", local_dir, "--step", "3", "--to", "dcp", out],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already exists" in again.stdout + again.stderr
+
+
+def test_a_job_starts_from_dcp_and_continues_with_incluster(local_dir, tmp_path):
+    m, o = model(), None
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    reference = train(m, o, range(8))
+
+    m, o = model(), None
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    train(m, o, range(4))
+    seed = str(tmp_path / "seed")
+    dcp.save({"model": m, "optim": o, "extra": {"tokens": 4}}, checkpoint_id=seed)  # written by DCP itself
+
+    m2, o2 = fresh()
+    state = {"model": m2, "optim": o2, "extra": {"tokens": 0}}
+    with incluster.Checkpointer(local_dir=local_dir, job="seeded") as ck:
+        start = ck.load(state)
+        assert start is None
+        start = load_dcp(state, seed, step=3)
+        assert state["extra"] == {"tokens": 4}
+        losses = train(m2, o2, range(start + 1, 6))
+        ck.save(5, state).wait()
+    assert losses == reference[4:6]
+
+    m3, o3 = fresh()  # a restart now finds incluster's own step 5
+    state3 = {"model": m3, "optim": o3, "extra": {"tokens": 0}}
+    with incluster.Checkpointer(local_dir=local_dir, job="seeded") as ck:
+        assert ck.load(state3) == 5
+    assert train(m3, o3, range(6, 8)) == reference[6:8]
+
+
+def test_load_dcp_names_what_does_not_match(tmp_path):
+    m, o = fresh()
+    path = str(tmp_path / "c")
+    dcp.save({"model": m, "sched": {"epoch": 2}}, checkpoint_id=path)
+    with pytest.raises(incluster.CheckpointError, match=r"\['sched'\].*strict=False"):
+        load_dcp({"model": model()}, path)
+    only = {"model": model(seed=3)}
+    load_dcp(only, path, strict=False)
+    assert torch.equal(only["model"][0].weight, m[0].weight)
+    with pytest.raises(incluster.CheckpointError, match="model"):
+        load_dcp({"model": torch.nn.Linear(2, 2), "sched": {"epoch": 0}}, path)
+    with pytest.raises(incluster.NoCheckpointError, match="no DCP checkpoint"):
+        load_dcp({"model": model()}, str(tmp_path / "absent"))
+
+
+def test_export_refuses_pickled_values_for_dcp(local_dir, tmp_path):
+    with incluster.Checkpointer(local_dir=local_dir, job="pk", allow_pickle=True) as ck:
+        ck.save(1, {"w": torch.ones(3), "obj": {1, 2}}).wait()
+    out = str(tmp_path / "d")
+    proc = subprocess.run([sys.executable, "-m", "incluster", "export", local_dir, "--step", "1", "--to", "dcp", out],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "pickled" in proc.stdout, proc.stdout + proc.stderr
+    assert not os.path.exists(out) and not [n for n in os.listdir(tmp_path) if n.startswith("d.partial")]
+
+
+@pytest.mark.multiproc
+def test_dtensor_shards_export_and_reshard(local_dir, tmp_path):
+    out = str(tmp_path)
+    job = launch([SCRIPT, out], nodes=["n0", "n1"], ranks_per_node=1, base_dir=local_dir)
+    codes = job.wait(150)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    export = open(os.path.join(out, "export.txt")).read()
+    assert export.startswith("0\n"), export
+    for r in range(2):
+        res = json.load(open(os.path.join(out, f"result-r{r}.json")))
+        assert res["w"] and res["b"], res
+        assert res["local_w_shape"] == [7, 3], res  # Shard(1) now, not the saved Shard(0)
+        assert res["extra"] == {"tokens": 1000, "name": "run"}, res  # the lowest rank's value
+    # ... and a single process reads the same folder into plain full tensors.
+    live = {"w": torch.zeros(7, 6), "b": torch.zeros(6), "extra": {}}
+    load_dcp(live, os.path.join(out, "dcp"))
+    assert torch.equal(live["w"], torch.arange(42, dtype=torch.float32).reshape(7, 6) / 7)
