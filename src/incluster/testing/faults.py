@@ -14,7 +14,7 @@ same), ``allocate`` (creating or growing a slot file, at the ``fallocate`` call)
 ``heal`` (trainer, staging thread, before a peer restore's copy is written to its node).
 
 Actions: ``raise`` (an :class:`InjectedFault`), ``enospc`` (an ``OSError`` with
-``ENOSPC``, as a full RAM disk gives), ``slow`` (sleep 2 s, then go on: widens a race), ``kill`` (SIGKILL of the process at that instant),
+``ENOSPC``, as a full RAM disk gives), ``slow`` (sleep ``seconds``, 2 by default, then go on: widens a race, or plays a slow peer), ``kill`` (SIGKILL of the process at that instant),
 ``hang`` (touch ``<marker_dir>/fault-<phase>-r<rank>-s<step>`` then sleep, for an outside
 kill: a peer that stops answering).
 """
@@ -47,6 +47,7 @@ class Fault:
     rank: int | None = None  # None: every rank
     step: int | None = None  # None: every step
     marker_dir: str | None = None
+    seconds: float = SLOW_S  # how long a ``slow`` fault sleeps
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -71,8 +72,9 @@ class FaultInjector:
         self.faults: list[Fault] = []
 
     def fail_at(self, *, phase: str, rank: int | None = None, step: int | None = None,
-                action: str = "raise", marker_dir: str | None = None) -> "FaultInjector":
-        self.faults.append(Fault(phase=phase, action=action, rank=rank, step=step, marker_dir=marker_dir))
+                action: str = "raise", marker_dir: str | None = None, seconds: float = SLOW_S) -> "FaultInjector":
+        self.faults.append(Fault(phase=phase, action=action, rank=rank, step=step, marker_dir=marker_dir,
+                                 seconds=seconds))
         return self
 
     def env(self) -> dict[str, str]:
@@ -111,7 +113,7 @@ def _fire(f: Fault, rank: int, step: int | None) -> Any:
         while True:
             time.sleep(3600)
     if f.action == "slow":
-        time.sleep(SLOW_S)
+        time.sleep(f.seconds)
         return None
     if f.action == "enospc":
         raise InjectedFault(errno.ENOSPC, f"No space left on device (injected at {f.phase}, rank {rank}, step {step})")

@@ -2,7 +2,8 @@
 
 Checksumming runs in xxhash's C code with the GIL released, so the trainer's Python
 thread keeps running; the file operations are a few syscalls per save. One thread
-commits, another waits for global outcomes, so a slow peer never delays a local commit.
+commits, one exchanges replicas (in step order), another waits for global outcomes, so a
+slow peer never delays a local commit.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class ThreadWriter:
         self._on_persisted = on_persisted
         self._service = CommitService(params)
         self._commit = ThreadPoolExecutor(1, thread_name_prefix="incluster-writer")
+        self._repl = ThreadPoolExecutor(1, thread_name_prefix="incluster-replicate")
         self._watch = ThreadPoolExecutor(1, thread_name_prefix="incluster-outcome")
 
     def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[tuple[str, bool]], Future[None]]":
@@ -39,22 +41,26 @@ class ThreadWriter:
         return local, outcome
 
     def _run(self, req: CommitRequest, buf: object, local: "Future[tuple[str, bool]]", outcome: "Future[None]") -> None:
-        """Commit thread: local commit, replication, then hand the outcome wait over."""
+        """Commit thread: local commit, then hand replication (and after it the outcome
+        wait) to the replication thread."""
         try:
             path, own, persist = self._service.commit(req, buf)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
             local.set_exception(exc)
             outcome.set_exception(exc)
-            self._replicate(req.step, None)
+            self._repl.submit(self._replicate, req.step, None)
             return
         local.set_result((path, persist))
         if persist and not self._service.upload(req.step, own, lambda err: self._persisted(req.step, err)):
             self._persisted(req.step, "skipped: the previous upload was still running")
-        self._replicate(req.step, own)
+        self._repl.submit(self._replicate_then_watch, req.step, own, outcome)
+
+    def _replicate_then_watch(self, step: int, own: object, outcome: "Future[None]") -> None:
+        self._replicate(step, own)
         try:
-            self._watch.submit(self._await, req.step, outcome)
+            self._watch.submit(self._await, step, outcome)
         except RuntimeError:  # closed while this commit was finishing
-            outcome.set_exception(CheckpointError(f"the writer closed before step {req.step}'s outcome"))
+            outcome.set_exception(CheckpointError(f"the writer closed before step {step}'s outcome"))
 
     def _persisted(self, step: int, err: str | None) -> None:
         if self._on_persisted is not None:
@@ -85,16 +91,19 @@ class ThreadWriter:
             except Exception as exc:  # noqa: BLE001 - the next save replicates anyway
                 log.warning("incluster: re-replication of step %d failed: %s", step, exc)
 
-        self._commit.submit(run)
+        self._commit.submit(self._repl.submit, run)  # in order behind commits in flight
 
     def fail(self, step: int, reason: str) -> None:
         self._service.fail(step, reason)
         try:
-            self._commit.submit(self._replicate, step, None)  # partners must not wait for us
+            # Partners must not wait for us; queued behind commits in flight, so steps are
+            # exchanged in order.
+            self._commit.submit(self._repl.submit, self._replicate, step, None)
         except RuntimeError:
             pass
 
     def close(self, timeout: float) -> None:
         self._commit.shutdown(wait=True)
+        self._repl.shutdown(wait=True)
         self._watch.shutdown(wait=True)
         self._service.close(timeout)

@@ -66,6 +66,26 @@ def serve(conn: Connection) -> None:
 
     watcher = threading.Thread(target=watch, name="incluster-outcome", daemon=True)
     watcher.start()
+    # Replication runs in step order on its own thread: a partner slow to exchange holds
+    # up the durability of the steps it owes, never the next local commit.
+    replicas: "queue.Queue[tuple[int, int, object, bool] | tuple[int, str] | None]" = queue.Queue()
+
+    def replicate() -> None:
+        while (item := replicas.get()) is not None:
+            if len(item) == 2:
+                step, folder = item  # type: ignore[misc]
+                try:
+                    service.replicate_committed(folder, step)
+                except Exception as exc:  # noqa: BLE001 - the next save replicates anyway
+                    print(f"incluster writer: re-replication of step {step} failed: {exc}", file=sys.stderr)
+                continue
+            seq, step, own, watched = item  # type: ignore[misc]
+            _replicate(service, step, own)  # a failure here fails the step's outcome
+            if watched:
+                outcomes.put((seq, step))
+
+    replicator = threading.Thread(target=replicate, name="incluster-replicate", daemon=True)
+    replicator.start()
     while True:
         try:
             msg = conn.recv()
@@ -77,7 +97,7 @@ def serve(conn: Connection) -> None:
                 path, own, persist = service.commit(msg.payload)
             except Exception as exc:  # noqa: BLE001
                 send(Message(Kind.ERROR, gen, msg.seq, msg.step, error=str(exc), error_type=type(exc).__name__))
-                _replicate(service, msg.step, None)
+                replicas.put((msg.seq, msg.step, None, False))
                 continue
             send(Message(Kind.LOCAL_DONE, gen, msg.seq, msg.step, payload=(path, persist)))
             if persist:
@@ -88,17 +108,15 @@ def serve(conn: Connection) -> None:
 
                 if not service.upload(step, own, uploaded):
                     uploaded("skipped: the previous upload was still running")
-            _replicate(service, msg.step, own)  # a failure here fails the step's outcome
-            outcomes.put((msg.seq, msg.step))
+            replicas.put((msg.seq, msg.step, own, True))
         elif msg.kind is Kind.FAIL:
             service.fail(msg.step, msg.error or "failed")
-            _replicate(service, msg.step, None)
+            replicas.put((msg.seq, msg.step, None, False))
         elif msg.kind is Kind.REPLICATE:
-            try:
-                service.replicate_committed(msg.payload, msg.step)
-            except Exception as exc:  # noqa: BLE001 - the next save replicates anyway
-                print(f"incluster writer: re-replication of step {msg.step} failed: {exc}", file=sys.stderr)
+            replicas.put((msg.step, msg.payload))
         elif msg.kind is Kind.SHUTDOWN:
+            replicas.put(None)
+            replicator.join(msg.payload or None)
             outcomes.put(None)
             watcher.join(msg.payload or None)
             service.close(msg.payload or 600.0)
