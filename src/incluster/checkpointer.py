@@ -355,6 +355,8 @@ class Checkpointer(SavePipeline):
             heal.abandon()
             log.warning("incluster: rank %d could not write its node's copy of step %d (%s); its replicas "
                         "elsewhere still hold it, and the next save is written as usual", self.rank, step, exc)
+            if replicate:
+                self._replicate_restored(step)  # sends nothing, but partners re-sending wait for every rank
             return
         log.info("incluster: rank %d healed its node's copy of step %d in %.3f s", self.rank, step, time.perf_counter() - t0)
         if replicate:

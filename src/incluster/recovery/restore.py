@@ -166,7 +166,7 @@ class _Run:
                     o.reader.close()
                 continue
             bad, healed = self._transfer(mine, outgoing), None
-            if mine.source is not None and self.loaded == mine.step:
+            if mine.source is not None and self.loaded == mine.step and (self.received is None or self.received.can_heal):
                 healed = (ctx.node, ctx.rank, mine.step, report.bytes)
             elif mine.source is None and self.loaded != mine.step:
                 bad += self._load_local(mine)
@@ -212,8 +212,10 @@ class _Run:
     def _heal_now(self) -> None:
         """Write and commit the node's copy of what was received, here and now."""
         received, self.received = self.received, None
-        if received is not None:
+        if received is not None and received.can_heal:
             received.heal()
+        elif received is not None:
+            received.abandon()
 
     def _load_local(self, mine: RankPlan) -> list[tuple[str, int, int]]:
         """Read my node's copy straight into the live state, every chunk checked as it is

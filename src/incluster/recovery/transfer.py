@@ -18,6 +18,7 @@ the sender stages file -> GPU, the receiver GPU -> its destination.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -35,6 +36,7 @@ from incluster.tiers.local import ShardReader
 from incluster.writer.local_commit import commit_received, parse_received_sidecar
 
 _MAX_SIDECAR = 256 * 1024 * 1024
+log = logging.getLogger("incluster")
 
 
 @dataclass
@@ -163,6 +165,12 @@ class Received:
         self.landing: Landing | None = None
         self.sidecar: Sidecar | None = None
         self.pending: list[tuple[int, torch.Tensor]] = []  # (file offset, verified bytes) to write
+        self.heal_error: str | None = None  # why this node's copy cannot be written, if so
+
+    @property
+    def can_heal(self) -> bool:
+        """Whether :meth:`heal` has a slot to write this node's copy into."""
+        return self.slot is not None and self.problem is None
 
     def prepare(self, raw_sc: bytes, hdr: bytes, tab: list[int], size: int) -> None:
         self.table = [(tab[i], tab[i + 1]) for i in range(0, len(tab), 2)]
@@ -187,13 +195,20 @@ class Received:
                 targets = {}  # the load reports the mismatch; nothing lands in the live state
         self.sidecar, self.landing = sc, Landing(header, segs, targets)
         self.dests = self.landing.dests[1:]
-        self.slot = self.ring.acquire(self.step, self.timeout_s)
         try:
+            self.slot = self.ring.acquire(self.step, self.timeout_s)
             self.ring.open_for_writes(self.slot, size)
             self.ring.write_at(self.slot, 0, [hdr])
-        except BaseException:
-            self.ring.release(self.slot)
-            raise
+        except (OSError, CheckpointError) as exc:
+            # No room for the node's copy (a full RAM disk, no free slot): the shard still
+            # lands in the live state, verified; only the heal is skipped. Raising here
+            # would leave the sender blocked in the next round until the group times out.
+            if self.slot is not None:
+                self.ring.release(self.slot)
+                self.slot = None
+            self.heal_error = f"{type(exc).__name__}: {exc}"
+            log.warning("incluster: %s lands in the live state, but this node's copy cannot be written (%s); "
+                        "the next save writes one as usual", self.where, self.heal_error)
 
     def landed(self, i: int, buf: torch.Tensor) -> None:
         """Segment ``i`` is in (segments arrive in file order): check it; its write waits
@@ -232,6 +247,8 @@ class Received:
 
     def heal(self) -> None:
         """Write the verified bytes into the slot and commit it, like a local save."""
+        if self.slot is None:
+            raise CheckpointError(f"{self.where}: this node's copy cannot be written: {self.heal_error}")
         for off, t in self.pending:
             self.ring.write_at(self.slot, off, [t.numpy()])
         self.pending = []

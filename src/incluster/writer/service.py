@@ -107,7 +107,8 @@ class CommitService:
 
     def replicate_committed(self, folder: str, step: int) -> None:
         """After a restore: send this rank's (healed) shard of ``step`` to its partners.
-        Every rank's writer takes part; partners that hold it already decline the bytes."""
+        Every rank's writer takes part (one whose node has no copy sends nothing); partners
+        that hold it already decline the bytes."""
         if self.replicator is None:
             return
         import json
@@ -116,6 +117,11 @@ class CommitService:
         from incluster.replication import OwnShard
         from incluster.staging.slots import sidecar_file, step_file
 
+        if not os.path.exists(os.path.join(folder, sidecar_file(step))):
+            # This node's copy could not be written (a full RAM disk): nothing to send, but
+            # take part, so partners re-sending theirs do not wait for us.
+            self.replicator.exchange(step, None, _NoCount())  # type: ignore[arg-type]
+            return
         sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
         fd = os.open(os.path.join(folder, step_file(step)), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
         try:
