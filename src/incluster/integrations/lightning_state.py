@@ -1,0 +1,100 @@
+"""How a Lightning checkpoint dict becomes incluster state, and back.
+
+Lightning builds one dict per checkpoint (``Trainer._checkpoint_connector.dump_checkpoint``):
+the model's ``state_dict``, a list of ``optimizer_states``, and everything else - loop
+progress, callback states, LR scheduler states, hyper-parameters, precision-plugin and
+datamodule state, whatever ``on_save_checkpoint`` hooks add. incluster stores:
+
+- ``model``: the live model (or a Stateful view of its shards), restored in place;
+- ``optimizer_<i>``: each live optimizer (or a Stateful view), restored in place, also
+  when it has not stepped yet in the restoring process;
+- ``lightning``: every other entry of the dict, as it is: nested dicts/lists/tuples,
+  tensors and JSON scalars (anything else is refused, naming its path, unless the
+  Checkpointer has ``allow_pickle=True``).
+
+This module has no Lightning import: it works on plain dicts and torch objects.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from incluster.errors import CheckpointError
+
+MODEL = "model"
+REST = "lightning"
+LIVE_KEYS = ("state_dict", "optimizer_states")  # saved from the live objects, not the dict
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+def to_state(checkpoint: Mapping[str, Any], model: Any, optimizers: Sequence[Any]) -> dict[str, Any]:
+    """The incluster state for one Lightning checkpoint dict.
+
+    WARNING: ``checkpoint["state_dict"]``/``["optimizer_states"]`` are not stored; the live
+    ``model``/``optimizers`` are (what those entries were made from), so edits an
+    ``on_save_checkpoint`` hook makes to those two entries are not kept."""
+    state: dict[str, Any] = {MODEL: model, REST: {k: v for k, v in checkpoint.items() if k not in LIVE_KEYS}}
+    for i, opt in enumerate(optimizers):
+        state[optimizer_key(i)] = opt
+    return state
+
+
+def template(model: Any, optimizers: Sequence[Any]) -> dict[str, Any]:
+    """What ``Checkpointer.load`` restores into: the live parts, and an empty dict that
+    receives the rest of the Lightning checkpoint."""
+    return to_state({}, model, optimizers)
+
+
+def to_checkpoint(state: Mapping[str, Any], model_state: dict[str, Any], optimizer_states: list[Any]) -> dict[str, Any]:
+    """The Lightning checkpoint dict after ``load(state)``; ``model_state`` and
+    ``optimizer_states`` are the live (just restored) states Lightning loads again."""
+    rest = state[REST]
+    if not isinstance(rest, dict) or "loops" not in rest:
+        raise CheckpointError(
+            "the incluster checkpoint has no Lightning trainer state ('lightning/loops'); it was not "
+            "saved by incluster.integrations.lightning - load it with Checkpointer.load() directly"
+        )
+    checkpoint = dict(rest)
+    checkpoint["state_dict"] = model_state
+    checkpoint["optimizer_states"] = optimizer_states
+    return checkpoint
+
+
+# -- random number generators -----------------------------------------------------------
+# Lightning's own checkpoint keeps no RNG state (and its file holds rank 0's only); each
+# incluster shard is one rank's, so each rank gets its own generators back.
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch (CPU and CUDA), Python and NumPy generator states, storable."""
+    version, internal, gauss = random.getstate()
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return out
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    out["numpy"] = [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
+    return out
+
+
+def set_rng_state(saved: Mapping[str, Any]) -> None:
+    """Put back what :func:`rng_state` returned (parts this process lacks are skipped)."""
+    torch.set_rng_state(saved["torch"])
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    if "numpy" in saved:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = saved["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,95 @@
+"""PyTorch Lightning through incluster: 2 DDP ranks (gloo) save every 3 steps, SIGKILL
+themselves once the save of step 12 (mid-epoch) is durable; fresh processes resume with
+``trainer.fit(model, ckpt_path="incluster")`` and must match an uninterrupted run bit for
+bit: every loss after step 12 (dropout included: each rank's RNG is restored) and the
+final parameters. The script is tests/integrations/lightning_train.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from integrations.conftest import require
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_train.py")
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(out_dir: str, local_dir: str, mode: str) -> list[subprocess.Popen[bytes]]:
+    """Start every rank the way torchrun would (Lightning then runs them as given)."""
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
+                   LOCAL_RANK=str(rank), NODE_RANK="0", PYTHONWARNINGS="ignore")
+        log = open(os.path.join(out_dir, f"{mode}-{rank}.log"), "wb")
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, out_dir, local_dir, mode], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout: float = 90) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs]
+
+
+def _read(out_dir: str, job: str, rank: int) -> dict:
+    with open(os.path.join(out_dir, f"{job}-rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def _log_tail(out_dir: str, mode: str) -> str:
+    return "\n".join(
+        open(os.path.join(out_dir, f"{mode}-{r}.log"), errors="replace").read()[-2000:] for r in range(WORLD)
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_ddp_sigkill_mid_epoch_resumes_bitwise(local_dir, tmp_path):
+    require("pytorch-lightning", "pytorch_lightning")
+    require("torchdata", "torchdata.stateful_dataloader")
+    out = str(tmp_path)
+
+    # A full reference run, then (same processes) a run that SIGKILLs itself after step 12.
+    codes = _wait(_launch(out, local_dir, "reference+crash"))
+    assert codes == [-signal.SIGKILL] * WORLD, _log_tail(out, "reference+crash")
+    time.sleep(0.3)  # the writer processes follow their trainers (parent-death signal)
+    for rank in range(WORLD):
+        assert os.path.exists(os.path.join(local_dir, "crash", f"rank-{rank:05d}", "step-000000000012.json"))
+
+    codes = _wait(_launch(out, local_dir, "resume"))
+    assert codes == [0] * WORLD, _log_tail(out, "resume")
+
+    for rank in range(WORLD):
+        ref, resumed = _read(out, "ref", rank), _read(out, "crash", rank)
+        assert resumed["restored"] == 12
+        assert list(resumed["losses"]) == [str(s) for s in range(13, 21)], "resumed at the wrong batch"
+        for step, loss in resumed["losses"].items():
+            assert loss == ref["losses"][step], f"rank {rank} step {step}: {loss!r} != {ref['losses'][step]!r}"
+        assert resumed["params"] == ref["params"], f"rank {rank}: final parameters differ"
+        assert (resumed["global_step"], resumed["epoch"]) == (ref["global_step"], ref["epoch"])
+    assert _read(out, "ref", 0)["params"] == _read(out, "ref", 1)["params"]  # DDP kept ranks in step
