@@ -1,7 +1,7 @@
 """A seeded crash campaign: real processes, real SIGKILLs, real corruption, then restarts.
 
-Each trial runs a 4-rank job (one rank per simulated node, gloo, a persistent tier in a
-folder) that saves every 2 steps, injects one fault, restarts every rank (on the same
+Each trial runs a 4-rank job (one rank per simulated node, or two on each of two nodes;
+gloo, a persistent tier in a folder) that saves every 2 steps, injects one fault, restarts every rank (on the same
 nodes, with a spare in a wiped node's place, or with two nodes swapped) and judges the
 restore with :mod:`incluster.testing.judge`: bitwise what was saved, the newest step that
 had a complete copy anywhere, and no process that outlives its deadline.
@@ -37,6 +37,7 @@ KINDS = (
     "kill-trainer@stage", "kill-writer@commit", "kill-writer@sidecar", "kill-writer@replicate",
     "kill-writer@upload", "kill-random", "kill-during-restore", "hang@replicate", "enospc@allocate",
     "corrupt-shard", "corrupt-replica", "corrupt-sidecar", "corrupt-manifest", "corrupt-persistent-shard",
+    "step-during-staging", "raise@stage", "kill-random/2-per-node",
 )
 
 
@@ -86,7 +87,8 @@ class _Run:
                  rank_env: dict[int, dict[str, str]] | None = None) -> None:
         argv = ["-m", "incluster.testing.campaign_trainer", out, str(steps), str(EVERY), str(run)]
         self.out, self.run = out, run
-        self.job: Job = launch(argv, nodes=nodes, ranks_per_node=1, base_dir=base, env=env, rank_env=rank_env)
+        per_node = WORLD // len(nodes)
+        self.job: Job = launch(argv, nodes=nodes, ranks_per_node=per_node, base_dir=base, env=env, rank_env=rank_env)
 
     def events(self, rank: int) -> list[dict[str, Any]]:
         return judge.read_events(self.out, rank, self.run)
@@ -209,7 +211,7 @@ def _restart_nodes(nodes: list[str], rng: random.Random, base: str, lost: str | 
         new[new.index(gone)] = SPARE
         what.append(f"node {gone} lost, spare {SPARE} in its place")
     if "swap" in choice:
-        i, j = rng.sample(range(WORLD), 2)
+        i, j = rng.sample(range(len(new)), 2)
         new[i], new[j] = new[j], new[i]
         what.append(f"{new[j]} and {new[i]} swap places")
     return new, "; ".join(what) or "same nodes"
@@ -235,7 +237,9 @@ def _trial_body(trial: Trial, rng: random.Random, result: Result, base: str) -> 
     writer = "process" if "writer" in kind or kind.startswith("hang") else rng.choice(["process", "thread"])
     env = {"WRITER": writer, "TIMEOUT_S": "5", "INCLUSTER_PERSISTENT": persist,
            "PYTHONUNBUFFERED": "1"}
-    nodes = list(NODES)
+    nodes = list(NODES) if not kind.endswith("2-per-node") else NODES[: WORLD // 2]  # two ranks on each node
+    if kind == "step-during-staging":
+        env["NO_WAIT"] = "1"  # the next optimizer step runs while each save stages
     rank_env: dict[int, dict[str, str]] = {}
     kill = None
     rank = rng.randrange(WORLD)
@@ -244,20 +248,24 @@ def _trial_body(trial: Trial, rng: random.Random, result: Result, base: str) -> 
         step = rng.choice([2, 6])  # saves 1 and 3 upload
     elif kind == "enospc@allocate":
         step = 2  # slot files are allocated by the first save (and reused by every later one)
+    elif kind == "raise@stage":
+        step = rng.choice([2, 4])  # a later save must land
     if "@" in kind and kind != "kill-random":
         action, phase = kind.split("@")
         action = {"kill-trainer": "kill", "kill-writer": "kill"}.get(action, action)
         fi = FaultInjector().fail_at(phase=phase, rank=rank, step=step, action=action, marker_dir=out)
         rank_env[rank] = fi.env()
         result.fault = f"{action} at {phase}, rank {rank}, step {step} ({writer} writer)"
-    elif kind == "kill-random":
+    elif kind in ("kill-random", "step-during-staging", "kill-random/2-per-node"):
         kill = _random_kill(rng, result, writer)
     first = _Run(base, out, 1, nodes, steps=STEPS, env=env, rank_env=rank_env)
     result.hang |= first.watch(rng, 150.0, result, kill)
     if kind == "enospc@allocate":
         _check_enospc(first, rank, step, result)
+    if kind == "raise@stage":
+        _check_refused(first, rank, step, result)
     bad: set[str] = set()
-    lost = nodes[rank] if kind.startswith("kill") and kind != "kill-during-restore" else None
+    lost = nodes[rank * len(nodes) // WORLD] if kind.startswith("kill") and kind != "kill-during-restore" else None
     if kind.startswith("corrupt"):
         result.fault, bad, wiped = _corrupt(kind, base, persist, nodes, rng)
         if not wiped:
@@ -295,6 +303,16 @@ def _check_enospc(run: _Run, rank: int, step: int, result: Result) -> None:
         result.checks.append(f"rank {rank} step {step}: no clear 'free space' error ({err})")
     if not any(e["event"] == "durable" and e["step"] > step for e in events):
         result.checks.append(f"rank {rank}: no save after the full RAM disk became durable")
+
+
+def _check_refused(run: _Run, rank: int, step: int, result: Result) -> None:
+    """One rank's save fails: every rank learns the step failed, every rank's next save lands."""
+    for r in range(WORLD):
+        events = run.events(r)
+        if not any(e["event"] == "save_error" and e["step"] == step for e in events):
+            result.checks.append(f"rank {r}: step {step}, refused on rank {rank}, did not fail here")
+        if not any(e["event"] == "durable" and e["step"] > step for e in events):
+            result.checks.append(f"rank {r}: no save after step {step} became durable")
 
 
 def run_campaign(trials: int, seed: int, root: str | None = None,

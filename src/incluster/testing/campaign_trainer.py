@@ -11,7 +11,8 @@ is written before the act, so a SIGKILL never hides what was attempted):
   ``save_error`` (kind, message); ``closed`` at the end.
 
 Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``STEP_SLEEP_S``,
-``INCLUSTER_PERSISTENT`` (every 2nd save goes there), ``INCLUSTER_FAULTS``.
+``INCLUSTER_PERSISTENT`` (every 2nd save goes there), ``INCLUSTER_FAULTS``, ``NO_WAIT``
+(``1``: never wait for a save; the next optimizer step runs while it stages).
 """
 
 from __future__ import annotations
@@ -53,6 +54,17 @@ class Log:
         self.f.write(json.dumps({"event": event, "t": time.time(), **kw}) + "\n")
 
 
+def _report(pending: list[Any], log: Log) -> None:
+    """Log each finished save of a NO_WAIT run once: durable, or its error."""
+    for h in [h for h in pending if h.done()]:
+        pending.remove(h)
+        try:
+            h.wait(0)
+            log("durable", step=h.step)
+        except incluster.CheckpointError as exc:
+            log("save_error", step=h.step, kind=type(exc).__name__, message=str(exc))
+
+
 def main() -> int:
     out, steps, every, run = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     dist.init_process_group("gloo")
@@ -79,6 +91,8 @@ def main() -> int:
     log("loaded", step=start, digest=digest(state), report=report)
     g = torch.Generator().manual_seed(rank * 7919 + (start or 0))
     pause = float(os.environ.get("STEP_SLEEP_S", "0.05"))
+    no_wait = os.environ.get("NO_WAIT") == "1"
+    pending: list[Any] = []
     for step in range((start or 0) + 1, steps + 1):
         model(torch.randn(32, width, generator=g)).pow(2).mean().backward()
         optim.step()
@@ -88,13 +102,22 @@ def main() -> int:
         if step % every == 0:
             log("saving", step=step, digest=digest(state))
             try:
-                ckpt.save(step, state).wait()
-                log("durable", step=step)
+                handle = ckpt.save(step, state)
+                if no_wait:  # train on at once: the next optimizer step runs while this one stages
+                    pending.append(handle)
+                else:
+                    handle.wait()
+                    log("durable", step=step)
             except incluster.CheckpointError as exc:
                 log("save_error", step=step, kind=type(exc).__name__, message=str(exc))
+        _report(pending, log)
     try:
+        for h in pending:
+            h.wait(60)
+        _report(pending, log)
         ckpt.close()
     except incluster.CheckpointError as exc:
+        _report(pending, log)
         log("save_error", step=None, kind=type(exc).__name__, message=str(exc))
     log("closed")
     dist.destroy_process_group()
