@@ -7,7 +7,9 @@ dicts of ``get_state_dict``, a Stateful app-state object):
   step pre-hook, so any ``optimizer.step()`` in the process - also of an optimizer the
   state only holds as a ``state_dict()`` - first waits for the save in flight (on the GPU
   the compute stream waits; the host does not). It also remembers every optimizer it saw
-  step, which tells which tensors only a step can change.
+  step, which tells which tensors only a step can change. A ``step(closure)`` of a torch
+  optimizer (Lightning, LBFGS) waits at the end of the closure instead: after the forward
+  and backward pass it runs, before any update.
 - **Everything else is copied at save() time.** A tensor that is neither a parameter nor
   optimizer state of a known optimizer (module buffers such as BatchNorm statistics,
   plain tensors) can change in the next forward pass; ``state.snapshot`` clones those
@@ -41,9 +43,27 @@ class StepGuard:
 
         self._handle: Any = register_optimizer_step_pre_hook(self._hook)
 
-    def _hook(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+    def _hook(self, opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._seen.add(opt)
-        self._on_step()
+        # torch passes step()'s own arguments, the optimizer first: (self, closure?).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None or not callable(closure) or not type(opt).__module__.startswith("torch.optim"):
+            self._on_step()
+            return None
+        # step(closure): torch's optimizers run the closure (forward and backward) before
+        # they change anything, so the wait moves to its end and overlaps the forward and
+        # backward pass, as it does for a loop that calls step() after backward().
+        on_step = self._on_step
+
+        def closure_then_wait(*a: Any, **k: Any) -> Any:
+            try:
+                return closure(*a, **k)
+            finally:
+                on_step()
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
 
     def pointers(self, found: Iterable[torch.optim.Optimizer]) -> set[int]:
         """Data pointers that only an optimizer step changes: parameters and state of the

@@ -135,6 +135,45 @@ def test_optimizer_pre_step_hook_waits_for_staging(local_dir, monkeypatch):
         assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.parametrize("keyword", [False, True])
+def test_step_with_a_closure_overlaps_its_forward_and_waits_before_the_update(local_dir, monkeypatch, keyword):
+    from incluster.staging.engine import Stager
+
+    run = Stager.run
+
+    def late(self, job):
+        time.sleep(0.3)
+        return run(self, job)
+
+    monkeypatch.setattr(Stager, "run", late)
+    m = tiny_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.5)
+    train(m, o, 1)
+    seen = {}
+    with _ckpt(local_dir) as ck:
+        saved = {k: v.clone() for k, v in m.state_dict().items()}
+        h = ck.save(1, {"model": m, "optim": o})
+
+        def closure():
+            seen["staged_at_forward"] = h.staged.done()
+            o.zero_grad()
+            loss = m(torch.randn(8, 16)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        o.step(closure=closure) if keyword else o.step(closure)  # the way Lightning and LBFGS step
+        assert seen["staged_at_forward"] is False  # the forward/backward ran while staging
+        assert h.staged.done()  # ... and the update waited for it
+        assert not torch.equal(m[0].weight, saved["0.weight"])
+        h.wait()
+    target = tiny_model(9)
+    with _ckpt(local_dir) as ck:
+        ck.load({"model": target, "optim": torch.optim.SGD(target.parameters(), lr=0.5)})
+    for k, v in target.state_dict().items():
+        if "running" not in k and "num_batches" not in k:  # buffers: changed by the closure's forward
+            assert torch.equal(v, saved[k]), k
+
+
 def test_batchnorm_buffers_are_captured_when_save_is_called(local_dir):
     m = tiny_model()
     o = torch.optim.SGD(m.parameters(), lr=0.1)
