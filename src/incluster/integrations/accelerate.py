@@ -1,0 +1,266 @@
+"""Hugging Face Accelerate: what ``accelerator.save_state()`` writes, as one incluster state.
+
+``AcceleratorCheckpoint(accelerator, ckpt)`` gathers everything accelerate's own
+``save_state`` would write - the prepared models, optimizers and LR schedulers, the
+gradient scaler, the objects passed to ``accelerator.register_for_checkpointing``, the
+random number generators and ``accelerator.step`` - plus the training dataloader's
+position, and saves and restores them through an :class:`incluster.Checkpointer`
+(rank-local and asynchronous: ``save`` returns in about a millisecond)::
+
+    ac = AcceleratorCheckpoint(accelerator, incluster.Checkpointer(job="run-7"))
+    start = ac.load()                                   # newest complete step, or None
+    step = 0 if start is None else start
+    for epoch in range(ac.epoch, num_epochs):
+        for batch in ac.batches(train_loader, epoch):   # skips what that step had consumed
+            ...; optimizer.step(); scheduler.step(); optimizer.zero_grad(); step += 1
+            if step % 10 == 0:
+                ac.save(step)
+    ac.close()
+
+:func:`state_for` is the state dict alone, for loops that call ``ckpt.save``/``ckpt.load``
+themselves. Importing this module does not import accelerate; the RNG helpers here are
+shared with ``incluster.integrations.transformers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from incluster.errors import CheckpointError
+
+__all__ = ["AcceleratorCheckpoint", "state_for", "RngState", "DataPosition"]
+
+log = logging.getLogger("incluster")
+
+# Setups whose model/optimizer states accelerate saves through their own engines.
+_UNSUPPORTED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+class RngState:
+    """The process's random number generators - Python's, NumPy's, torch's CPU generator
+    and every CUDA device's - as a Stateful object: ``state_dict()`` reads them (tensors
+    and JSON scalars, so incluster stores them without pickle), ``load_state_dict()`` sets
+    them and keeps the loaded values in ``loaded`` so they can be set again later."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        version, words, gauss = random.getstate()
+        sd: dict[str, Any] = {
+            "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
+            "torch": torch.get_rng_state(),
+        }
+        np = _numpy()
+        if np is not None:  # optional for torch; nothing to keep without it
+            kind, keys, pos, has_gauss, cached = np.random.get_state()
+            sd["numpy"] = {
+                "kind": str(kind),
+                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
+        if torch.cuda.is_available():
+            sd["cuda"] = list(torch.cuda.get_rng_state_all())
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.loaded = dict(sd)
+        py = sd["python"]
+        random.setstate((int(py["version"]), tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
+        torch.set_rng_state(sd["torch"].to(torch.uint8).cpu())
+        if "numpy" in sd:
+            import numpy as np
+
+            n = sd["numpy"]
+            keys = np.asarray(n["keys"].tolist(), dtype=np.uint32)
+            np.random.set_state((n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"])))
+        if "cuda" in sd and torch.cuda.is_available():
+            states = list(sd["cuda"])
+            if len(states) != torch.cuda.device_count():
+                raise CheckpointError(
+                    f"the checkpoint holds the RNG states of {len(states)} CUDA devices but this process "
+                    f"sees {torch.cuda.device_count()}; resume with the same CUDA_VISIBLE_DEVICES"
+                )
+            torch.cuda.set_rng_state_all([s.to(torch.uint8).cpu() for s in states])
+
+    def apply_again(self) -> None:
+        """Set the generators to the loaded values once more (after a data loader drew from
+        them while skipping to the saved position)."""
+        if self.loaded is not None:
+            self.load_state_dict(self.loaded)
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+class DataPosition:
+    """Where the training data stands: the epoch, how many of its batches had been taken
+    when the state was saved, and the RNG states at the start of that epoch (a loader
+    without a seeded sampler draws its order from them), Stateful."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.batches = 0
+        self.rng_at_start: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batches": self.batches, "rng_at_start": self.rng_at_start}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.epoch, self.batches = int(sd["epoch"]), int(sd["batches"])
+        self.rng_at_start = sd.get("rng_at_start")
+
+
+class _StepCounter:
+    """``accelerator.step`` (its gradient-accumulation counter), which ``load_state`` restores."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.accelerator.step = int(sd["step"])
+
+
+def check_supported(accelerator: Any) -> None:
+    """Refuse setups whose states accelerate itself saves through another engine."""
+    kind = getattr(getattr(accelerator, "distributed_type", None), "name", "NO")
+    if kind in _UNSUPPORTED:
+        raise CheckpointError(
+            f"incluster's accelerate integration covers single-process and DDP jobs; this accelerator "
+            f"runs {kind}, whose model and optimizer states its own engine saves: use "
+            f"accelerator.save_state()/load_state() for it"
+        )
+
+
+def state_for(accelerator: Any, **extra: Any) -> dict[str, Any]:
+    """The incluster state of everything ``accelerator.save_state()`` writes: the prepared
+    models, the optimizers and schedulers inside accelerate's wrappers, the gradient scaler,
+    the objects registered with ``register_for_checkpointing``, ``accelerator.step`` and the
+    RNG states. ``extra`` adds entries (a :class:`DataPosition`, counters, ...).
+
+    Pass the same dict (or one built the same way) to ``ckpt.save(step, state)`` and
+    ``ckpt.load(state)``; loading sets the generators at once."""
+    check_supported(accelerator)
+    # accelerate's registries of what prepare() returned: the lists save_state() walks.
+    state: dict[str, Any] = {
+        "models": list(accelerator._models),
+        "optimizers": [getattr(o, "optimizer", o) for o in accelerator._optimizers],
+        "schedulers": [getattr(s, "scheduler", s) for s in accelerator._schedulers],
+        "registered": list(accelerator._custom_objects),
+        "scaler": accelerator.scaler,
+        "accelerator": _StepCounter(accelerator),
+        "rng": RngState(),
+    }
+    clash = sorted(set(extra) & set(state))
+    if clash:
+        raise CheckpointError(f"extra entries {clash} clash with state_for's own keys; rename them")
+    state.update(extra)
+    return state
+
+
+class AcceleratorCheckpoint:
+    """Saves and restores an Accelerator's training state through incluster, with the
+    training dataloader's position. See the module docstring for the loop.
+
+    ``checkpointer``: an :class:`incluster.Checkpointer`; one with the defaults is made
+    when omitted (create it after the process group exists in a multi-process job - the
+    Accelerator does that). ``extra``: more entries for the state (tensors, Stateful
+    objects, JSON values)."""
+
+    def __init__(self, accelerator: Any, checkpointer: Any = None, *, extra: Mapping[str, Any] | None = None) -> None:
+        check_supported(accelerator)
+        if checkpointer is None:
+            import incluster
+
+            checkpointer = incluster.Checkpointer()
+        self.accelerator = accelerator
+        self.checkpointer = checkpointer
+        self.extra = dict(extra or {})
+        self.position = DataPosition()
+        self._rng = RngState()
+        self._skip: tuple[int, int] | None = None  # (epoch, batches) the resumed epoch skips, once
+
+    @property
+    def epoch(self) -> int:
+        """The epoch to start the loop at: the saved one after :meth:`load`, else 0."""
+        return self.position.epoch
+
+    def state(self) -> dict[str, Any]:
+        """The state this object saves and loads (see :func:`state_for`)."""
+        st = state_for(self.accelerator, data=self.position, **self.extra)
+        st["rng"] = self._rng
+        return st
+
+    def save(self, step: int) -> Any:
+        """Start saving everything as ``step``; returns the ``SaveHandle`` at once."""
+        return self.checkpointer.save(step, self.state())
+
+    def load(self) -> int | None:
+        """Restore the newest step every rank can recover (never an incomplete one), in
+        place; returns it, or None when the job has none. Collective."""
+        step = self.checkpointer.load(self.state())
+        if step is not None:
+            self._skip = (self.position.epoch, self.position.batches)
+            log.info("incluster: resuming at step %d, epoch %d after %d batches",
+                     step, self.position.epoch, self.position.batches)
+        return step
+
+    def batches(self, dataloader: Iterable[Any], epoch: int) -> Iterator[Any]:
+        """Iterate ``dataloader`` for ``epoch``, counting batches into the saved position.
+
+        In the epoch a restored step was taken in, the generators are first set to their
+        values at that epoch's start (so the loader draws the same order and seeds), the
+        batches the step had consumed are skipped (``accelerator.skip_first_batches``), and
+        once the first remaining batch is drawn the generators are set to their values at
+        the save: the rest of the epoch sees the data and random numbers the interrupted
+        run would have seen."""
+        if getattr(dataloader, "use_stateful_dataloader", False):
+            raise CheckpointError(
+                "batches() resumes by skipping batches, which accelerate does not allow for a "
+                "StatefulDataLoader; prepare the dataloader without use_stateful_dataloader"
+            )
+        skip = 0
+        if self._skip is not None and self._skip[0] == epoch:
+            skip = self._skip[1]
+        self._skip = None
+        if hasattr(dataloader, "set_epoch"):
+            dataloader.set_epoch(epoch)  # the sampler's order for this epoch, also after a restart
+        self.position.epoch, self.position.batches = epoch, skip
+        if skip and hasattr(dataloader, "__len__") and skip >= len(dataloader):  # type: ignore[arg-type]
+            return  # saved at the end of this epoch: iterating would draw from the generators
+        if skip:
+            if self.position.rng_at_start is not None:
+                RngState().load_state_dict(self.position.rng_at_start)
+            source = self.accelerator.skip_first_batches(dataloader, skip)
+        else:
+            self.position.rng_at_start = RngState().state_dict()
+            source = dataloader
+        resync = skip > 0
+        for batch in source:
+            if resync:  # back to the values the saved run had after drawing this batch
+                self._rng.apply_again()
+                resync = False
+            self.position.batches += 1
+            yield batch
+
+    def wait(self) -> None:
+        """Wait until every save started so far is durable (raises its error, if any)."""
+        self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Drain the saves in flight and close the checkpointer."""
+        self.checkpointer.close()

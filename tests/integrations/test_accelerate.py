@@ -1,0 +1,141 @@
+"""Accelerate through incluster (tests/integrations/hf_accelerate_run.py, one CPU process
+each): a loop with dropout, a shuffled DataLoader without a seeded sampler, AdamW with a
+warmup schedule and a registered counter saves at mid-epoch and end-of-epoch steps; runs
+wait until one save is durable and are SIGKILLed while a later save is half written; fresh
+processes resume with ``AcceleratorCheckpoint.load()`` + ``batches()`` and must match an
+uninterrupted run bit for bit (every loss after the restored step, the counter, the final
+weights). Plus the plain ``state_for`` dict through ``ckpt.save``/``ckpt.load``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import incluster
+from incluster.errors import CheckpointError
+from incluster.testing.faults import FaultInjector
+from integrations.conftest import require
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "hf_accelerate_run.py")
+# (job, step whose save is awaited, step whose save is killed half written)
+CASES = [("mid", 6, 9), ("end", 10, 12)]  # 5 batches per epoch: step 6 is mid-epoch, 10 ends one
+
+
+def _start(out: str, local_dir: str, job: str, mode: str, *extra: str,
+           env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, SCRIPT, out, local_dir, job, mode, *extra],
+                            env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 90) -> tuple[int, str]:
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        text, _ = proc.communicate()
+    return proc.returncode, text[-3000:]
+
+
+def _read(out: str, job: str, mode: str) -> tuple[dict, dict]:
+    with open(os.path.join(out, f"{job}-{mode}.json")) as f:
+        log = json.load(f)
+    return log, torch.load(os.path.join(out, f"{job}-{mode}.pt"))
+
+
+@pytest.mark.timeout(180)
+def test_accelerate_sigkill_resumes_bitwise(local_dir, tmp_path):
+    require("accelerate", "accelerate")
+    out = str(tmp_path)
+    procs = [_start(out, local_dir, "ref", "full")]
+    for job, wait, kill in CASES:
+        env = FaultInjector().fail_at(phase="sidecar", step=kill, action="kill").env()
+        procs.append(_start(out, local_dir, job, "crash", str(wait), env=env))
+    codes = [_finish(p) for p in procs]
+    assert codes[0][0] == 0, codes[0][1]
+    for code, text in codes[1:]:
+        assert code == -signal.SIGKILL, text
+    for job, wait, kill in CASES:
+        rank = os.path.join(local_dir, job, "rank-00000")
+        assert os.path.exists(os.path.join(rank, f"step-{wait:012d}.json"))
+        assert os.path.exists(os.path.join(rank, f"step-{kill:012d}.safetensors"))  # written, never committed
+        assert not os.path.exists(os.path.join(rank, f"step-{kill:012d}.json"))
+
+    codes = [_finish(_start(out, local_dir, job, "resume")) for job, _, _ in CASES]
+    for code, text in codes:
+        assert code == 0, text
+    full, full_w = _read(out, "ref", "full")
+    for job, wait, kill in CASES:
+        resumed, resumed_w = _read(out, job, "resume")
+        assert resumed["resumed"] == wait, f"{job}: restored {resumed['resumed']}, not the newest complete step"
+        assert sorted(map(int, resumed["losses"])) == list(range(wait + 1, 16)), f"{job}: resumed at the wrong batch"
+        for step, loss in resumed["losses"].items():
+            assert loss == full["losses"][step], f"{job} step {step}: {loss!r} != {full['losses'][step]!r}"
+        assert (resumed["seen"], resumed["total"]) == (full["seen"], full["total"]), "registered object"
+        for name, value in full_w.items():
+            assert torch.equal(value, resumed_w[name]), f"{job}: {name} differs after the resumed run"
+
+
+def test_state_for_round_trip(local_dir):
+    require("accelerate", "accelerate")
+    from accelerate import Accelerator
+
+    from incluster.integrations.accelerate import state_for
+
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def load_state_dict(self, sd: dict[str, int]) -> None:
+            self.n = sd["n"]
+
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    counter = Counter()
+    acc.register_for_checkpointing(counter)
+    for _ in range(2):
+        acc.backward(model(torch.randn(3, 4)).sum())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    counter.n, acc.step = 5, 3
+    with pytest.raises(CheckpointError, match="clash"):
+        state_for(acc, rng=1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
+    random.seed(11)
+    torch.manual_seed(21)
+    expect = (random.random(), torch.rand(3))
+    random.seed(11)
+    torch.manual_seed(21)
+    with incluster.Checkpointer(local_dir=local_dir, job="sf", writer="thread") as ckpt:
+        ckpt.save(2, state_for(acc, extra={"tokens": 96})).wait()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        acc.backward(model(torch.randn(3, 4)).sum())
+        opt.step()
+        sched.step()
+        counter.n, acc.step = 0, 0
+        random.seed(12)
+        torch.manual_seed(22)
+        extra: dict[str, int] = {}
+        assert ckpt.load(state_for(acc, extra=extra)) == 2
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved_opt)
+    assert sched.get_last_lr() == [0.025] and counter.n == 5 and acc.step == 3 and extra == {"tokens": 96}
+    assert random.random() == expect[0] and torch.equal(torch.rand(3), expect[1]), "RNG states not restored"
