@@ -8,10 +8,11 @@ test_accelerate).
                      half written;
           "resume" - AcceleratorCheckpoint.load() in a fresh process, then train to the end.
 
-Writes OUT_DIR/<job>-<mode>.json (loss per step, the step restored, the registered
+A job named "*-gen" shuffles with the loader's own generator (``generator=``), any other
+draws its order from the global RNG. Writes OUT_DIR/<job>-<mode>.json (loss per step, the step restored, the registered
 counter) and .pt (final weights). A small MLP with dropout, AdamW with a warmup schedule,
-a shuffled DataLoader without a seeded sampler (its order comes from the global RNG at
-each epoch's start), a counter registered with ``register_for_checkpointing``; CPU.
+a shuffled DataLoader without a seeded sampler (its order comes from the global RNG, or
+from its own generator, at each epoch's start), a counter registered with ``register_for_checkpointing``; CPU.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    loader = DataLoader(data, batch_size=8, shuffle=True)
+    own = torch.Generator().manual_seed(5) if job.endswith("-gen") else None
+    loader = DataLoader(data, batch_size=8, shuffle=True, generator=own)
 
     accelerator = Accelerator(cpu=True)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)

@@ -1,5 +1,6 @@
 """Accelerate through incluster (tests/integrations/hf_accelerate_run.py, one CPU process
-each): a loop with dropout, a shuffled DataLoader without a seeded sampler, AdamW with a
+each): a loop with dropout, a shuffled DataLoader without a seeded sampler (order from the
+global RNG, or from the loader's own generator), AdamW with a
 warmup schedule and a registered counter saves at mid-epoch and end-of-epoch steps; runs
 wait until one save is durable and are SIGKILLed while a later save is half written; fresh
 processes resume with ``AcceleratorCheckpoint.load()`` + ``batches()`` and must match an
@@ -24,8 +25,9 @@ from incluster.testing.faults import FaultInjector
 from integrations.conftest import require
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "hf_accelerate_run.py")
-# (job, step whose save is awaited, step whose save is killed half written)
-CASES = [("mid", 6, 9), ("end", 10, 12)]  # 5 batches per epoch: step 6 is mid-epoch, 10 ends one
+# (job, step whose save is awaited, step whose save is killed half written); 5 batches per
+# epoch: step 6 is mid-epoch, 10 ends one. "-gen": the loader shuffles with its own generator.
+CASES = [("mid-global", 6, 9), ("mid-gen", 6, 9), ("end-gen", 10, 12)]
 
 
 def _start(out: str, local_dir: str, job: str, mode: str, *extra: str,
@@ -54,13 +56,14 @@ def _read(out: str, job: str, mode: str) -> tuple[dict, dict]:
 def test_accelerate_sigkill_resumes_bitwise(local_dir, tmp_path):
     require("accelerate", "accelerate")
     out = str(tmp_path)
-    procs = [_start(out, local_dir, "ref", "full")]
+    procs = [_start(out, local_dir, f"ref-{kind}", "full") for kind in ("global", "gen")]
     for job, wait, kill in CASES:
         env = FaultInjector().fail_at(phase="sidecar", step=kill, action="kill").env()
         procs.append(_start(out, local_dir, job, "crash", str(wait), env=env))
     codes = [_finish(p) for p in procs]
-    assert codes[0][0] == 0, codes[0][1]
-    for code, text in codes[1:]:
+    for code, text in codes[:2]:
+        assert code == 0, text
+    for code, text in codes[2:]:
         assert code == -signal.SIGKILL, text
     for job, wait, kill in CASES:
         rank = os.path.join(local_dir, job, "rank-00000")
@@ -68,11 +71,11 @@ def test_accelerate_sigkill_resumes_bitwise(local_dir, tmp_path):
         assert os.path.exists(os.path.join(rank, f"step-{kill:012d}.safetensors"))  # written, never committed
         assert not os.path.exists(os.path.join(rank, f"step-{kill:012d}.json"))
 
-    codes = [_finish(_start(out, local_dir, job, "resume")) for job, _, _ in CASES]
+    codes = [_finish(p) for p in [_start(out, local_dir, job, "resume") for job, _, _ in CASES]]
     for code, text in codes:
         assert code == 0, text
-    full, full_w = _read(out, "ref", "full")
     for job, wait, kill in CASES:
+        full, full_w = _read(out, "ref-" + job.split("-")[1], "full")
         resumed, resumed_w = _read(out, job, "resume")
         assert resumed["resumed"] == wait, f"{job}: restored {resumed['resumed']}, not the newest complete step"
         assert sorted(map(int, resumed["losses"])) == list(range(wait + 1, 16)), f"{job}: resumed at the wrong batch"

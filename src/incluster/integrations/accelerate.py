@@ -18,19 +18,16 @@ position, and saves and restores them through an :class:`incluster.Checkpointer`
     ac.close()
 
 :func:`state_for` is the state dict alone, for loops that call ``ckpt.save``/``ckpt.load``
-themselves. Importing this module does not import accelerate; the RNG helpers here are
-shared with ``incluster.integrations.transformers``.
+themselves. Importing this module does not import accelerate.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any, Iterable, Iterator, Mapping
 
-import torch
-
 from incluster.errors import CheckpointError
+from incluster.integrations.hf_state import DataPosition, RngState, loader_generators, set_generators
 
 __all__ = ["AcceleratorCheckpoint", "state_for", "RngState", "DataPosition"]
 
@@ -38,88 +35,6 @@ log = logging.getLogger("incluster")
 
 # Setups whose model/optimizer states accelerate saves through their own engines.
 _UNSUPPORTED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
-
-
-class RngState:
-    """The process's random number generators - Python's, NumPy's, torch's CPU generator
-    and every CUDA device's - as a Stateful object: ``state_dict()`` reads them (tensors
-    and JSON scalars, so incluster stores them without pickle), ``load_state_dict()`` sets
-    them and keeps the loaded values in ``loaded`` so they can be set again later."""
-
-    def __init__(self) -> None:
-        self.loaded: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        version, words, gauss = random.getstate()
-        sd: dict[str, Any] = {
-            "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
-            "torch": torch.get_rng_state(),
-        }
-        np = _numpy()
-        if np is not None:  # optional for torch; nothing to keep without it
-            kind, keys, pos, has_gauss, cached = np.random.get_state()
-            sd["numpy"] = {
-                "kind": str(kind),
-                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached),
-            }
-        if torch.cuda.is_available():
-            sd["cuda"] = list(torch.cuda.get_rng_state_all())
-        return sd
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        self.loaded = dict(sd)
-        py = sd["python"]
-        random.setstate((int(py["version"]), tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
-        torch.set_rng_state(sd["torch"].to(torch.uint8).cpu())
-        if "numpy" in sd:
-            import numpy as np
-
-            n = sd["numpy"]
-            keys = np.asarray(n["keys"].tolist(), dtype=np.uint32)
-            np.random.set_state((n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"])))
-        if "cuda" in sd and torch.cuda.is_available():
-            states = list(sd["cuda"])
-            if len(states) != torch.cuda.device_count():
-                raise CheckpointError(
-                    f"the checkpoint holds the RNG states of {len(states)} CUDA devices but this process "
-                    f"sees {torch.cuda.device_count()}; resume with the same CUDA_VISIBLE_DEVICES"
-                )
-            torch.cuda.set_rng_state_all([s.to(torch.uint8).cpu() for s in states])
-
-    def apply_again(self) -> None:
-        """Set the generators to the loaded values once more (after a data loader drew from
-        them while skipping to the saved position)."""
-        if self.loaded is not None:
-            self.load_state_dict(self.loaded)
-
-
-def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
-
-
-class DataPosition:
-    """Where the training data stands: the epoch, how many of its batches had been taken
-    when the state was saved, and the RNG states at the start of that epoch (a loader
-    without a seeded sampler draws its order from them), Stateful."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.batches = 0
-        self.rng_at_start: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batches": self.batches, "rng_at_start": self.rng_at_start}
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        self.epoch, self.batches = int(sd["epoch"]), int(sd["batches"])
-        self.rng_at_start = sd.get("rng_at_start")
 
 
 class _StepCounter:
@@ -222,39 +137,47 @@ class AcceleratorCheckpoint:
     def batches(self, dataloader: Iterable[Any], epoch: int) -> Iterator[Any]:
         """Iterate ``dataloader`` for ``epoch``, counting batches into the saved position.
 
-        In the epoch a restored step was taken in, the generators are first set to their
-        values at that epoch's start (so the loader draws the same order and seeds), the
-        batches the step had consumed are skipped (``accelerator.skip_first_batches``), and
-        once the first remaining batch is drawn the generators are set to their values at
-        the save: the rest of the epoch sees the data and random numbers the interrupted
-        run would have seen."""
+        In the epoch a restored step was taken in, the global RNG and the loader's own
+        generators are first set to their values at that epoch's start (so the loader draws
+        the same order and seeds), the batches the step had taken are skipped
+        (``accelerator.skip_first_batches``), and once the first remaining batch is drawn
+        the global RNG is set to its value at the save: the rest of the epoch sees the data
+        and random numbers the interrupted run would have seen. A step saved after the
+        epoch's last batch sets the loader's generators to their values at the save and
+        yields nothing."""
         if getattr(dataloader, "use_stateful_dataloader", False):
             raise CheckpointError(
                 "batches() resumes by skipping batches, which accelerate does not allow for a "
                 "StatefulDataLoader; prepare the dataloader without use_stateful_dataloader"
             )
-        skip = 0
-        if self._skip is not None and self._skip[0] == epoch:
-            skip = self._skip[1]
+        pos = self.position
+        resumed = self._skip is not None and self._skip[0] == epoch
+        skip = self._skip[1] if resumed and self._skip is not None else 0
         self._skip = None
         if hasattr(dataloader, "set_epoch"):
             dataloader.set_epoch(epoch)  # the sampler's order for this epoch, also after a restart
-        self.position.epoch, self.position.batches = epoch, skip
-        if skip and hasattr(dataloader, "__len__") and skip >= len(dataloader):  # type: ignore[arg-type]
-            return  # saved at the end of this epoch: iterating would draw from the generators
+        pos.live = loader_generators(dataloader)
+        pos.epoch, pos.batches = epoch, skip
+        finished = hasattr(dataloader, "__len__") and skip >= len(dataloader)  # type: ignore[arg-type]
+        if resumed and (skip == 0 or finished):
+            set_generators(pos.live, pos.generators_saved)
+            if finished:
+                return  # iterating the finished epoch would draw from the generators
         if skip:
-            if self.position.rng_at_start is not None:
-                RngState().load_state_dict(self.position.rng_at_start)
+            if pos.rng_at_start is not None:
+                RngState().load_state_dict(pos.rng_at_start)
+            set_generators(pos.live, pos.generators_at_start)
             source = self.accelerator.skip_first_batches(dataloader, skip)
         else:
-            self.position.rng_at_start = RngState().state_dict()
+            pos.rng_at_start = RngState().state_dict()
+            pos.generators_at_start = [g.get_state() for g in pos.live]
             source = dataloader
         resync = skip > 0
         for batch in source:
             if resync:  # back to the values the saved run had after drawing this batch
                 self._rng.apply_again()
                 resync = False
-            self.position.batches += 1
+            pos.batches += 1
             yield batch
 
     def wait(self) -> None:

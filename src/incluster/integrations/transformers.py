@@ -35,7 +35,7 @@ import tempfile
 from typing import Any
 
 from incluster.errors import CheckpointError
-from incluster.integrations.accelerate import RngState
+from incluster.integrations.hf_state import RngState
 
 __all__ = ["InclusterTrainer", "InclusterTrainerMixin", "with_incluster"]
 
