@@ -88,11 +88,12 @@ def main() -> None:
                 if step == wait_step:
                     handle.durable.result(timeout=60)
     ac.close()
-    with open(os.path.join(out, f"{job}-{mode}.json"), "w") as f:
+    name = f"{job}-{mode}" + (f"-rank{accelerator.process_index}" if accelerator.num_processes > 1 else "")
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump({"losses": losses, "resumed": start, "seen": counter.seen, "total": counter.total.item(),
                    "accelerator_step": accelerator.step}, f)
     unwrapped = accelerator.unwrap_model(model)
-    torch.save({k: v.detach().clone() for k, v in unwrapped.state_dict().items()}, os.path.join(out, f"{job}-{mode}.pt"))
+    torch.save({k: v.detach().clone() for k, v in unwrapped.state_dict().items()}, os.path.join(out, f"{name}.pt"))
 
 
 if __name__ == "__main__":

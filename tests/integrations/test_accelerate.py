@@ -5,7 +5,8 @@ warmup schedule and a registered counter saves at mid-epoch and end-of-epoch ste
 wait until one save is durable and are SIGKILLed while a later save is half written; fresh
 processes resume with ``AcceleratorCheckpoint.load()`` + ``batches()`` and must match an
 uninterrupted run bit for bit (every loss after the restored step, the counter, the final
-weights). Plus the plain ``state_for`` dict through ``ckpt.save``/``ckpt.load``."""
+weights), in one process and on two DDP ranks (gloo). Plus the plain ``state_for`` dict
+through ``ckpt.save``/``ckpt.load``."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -25,65 +28,89 @@ from incluster.testing.faults import FaultInjector
 from integrations.conftest import require
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "hf_accelerate_run.py")
-# (job, step whose save is awaited, step whose save is killed half written); 5 batches per
-# epoch: step 6 is mid-epoch, 10 ends one. "-gen": the loader shuffles with its own generator.
-CASES = [("mid-global", 6, 9), ("mid-gen", 6, 9), ("end-gen", 10, 12)]
+# (job, its reference job, processes, step whose save is awaited, step whose save is killed
+# half written). One process: 5 batches per epoch, 15 steps; step 6 is mid-epoch, 10 ends
+# one. "-gen": the loader shuffles with its own generator. Two DDP ranks (gloo): 3 batches
+# per epoch and rank, 9 steps; step 5 is mid-epoch, the sampler's generator is accelerate's
+# synchronized one (restored to its state at the epoch's start, as a "-gen" loader's is).
+CASES = [("mid-global", "ref-global", 1, 6, 9), ("end-gen", "ref-gen", 1, 10, 12), ("ddp", "ref-ddp", 2, 5, 6)]
+REFS = {ref: n for _, ref, n, _, _ in CASES}
 
 
-def _start(out: str, local_dir: str, job: str, mode: str, *extra: str,
-           env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, SCRIPT, out, local_dir, job, mode, *extra],
-                            env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def _finish(proc: subprocess.Popen[str], timeout: float = 90) -> tuple[int, str]:
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        text, _ = proc.communicate()
-    return proc.returncode, text[-3000:]
+def _start(out: str, local_dir: str, job: str, mode: str, ranks: int, *extra: str,
+           env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    """One process, or every rank of a DDP job the way a launcher starts them."""
+    port, procs = _free_port(), []
+    for rank in range(ranks):
+        dist = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if ranks > 1 else {}
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, out, local_dir, job, mode, *extra],
+                                      env=dict(os.environ, **dist, **(env or {})), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
 
 
-def _read(out: str, job: str, mode: str) -> tuple[dict, dict]:
-    with open(os.path.join(out, f"{job}-{mode}.json")) as f:
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 90) -> list[tuple[int, str]]:
+    deadline, out = time.monotonic() + timeout, []
+    for proc in procs:
+        try:
+            text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+        out.append((proc.returncode, text[-3000:]))
+    return out
+
+
+def _read(out: str, job: str, mode: str, rank: int | None) -> tuple[dict, dict]:
+    name = f"{job}-{mode}" + ("" if rank is None else f"-rank{rank}")
+    with open(os.path.join(out, f"{name}.json")) as f:
         log = json.load(f)
-    return log, torch.load(os.path.join(out, f"{job}-{mode}.pt"))
+    return log, torch.load(os.path.join(out, f"{name}.pt"))
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_accelerate_sigkill_resumes_bitwise(local_dir, tmp_path):
     require("accelerate", "accelerate")
     out = str(tmp_path)
-    procs = [_start(out, local_dir, f"ref-{kind}", "full") for kind in ("global", "gen")]
-    for job, wait, kill in CASES:
-        env = FaultInjector().fail_at(phase="sidecar", step=kill, action="kill").env()
-        procs.append(_start(out, local_dir, job, "crash", str(wait), env=env))
-    codes = [_finish(p) for p in procs]
-    for code, text in codes[:2]:
+    refs = [_start(out, local_dir, ref, "full", n) for ref, n in REFS.items()]
+    crashes = [_start(out, local_dir, job, "crash", n, str(wait),
+                      env=FaultInjector().fail_at(phase="sidecar", step=kill, action="kill").env())
+               for job, _, n, wait, kill in CASES]
+    for code, text in [r for procs in refs for r in _finish(procs)]:
         assert code == 0, text
-    for code, text in codes[2:]:
+    for code, text in [r for procs in crashes for r in _finish(procs)]:
         assert code == -signal.SIGKILL, text
-    for job, wait, kill in CASES:
-        rank = os.path.join(local_dir, job, "rank-00000")
-        assert os.path.exists(os.path.join(rank, f"step-{wait:012d}.json"))
-        assert os.path.exists(os.path.join(rank, f"step-{kill:012d}.safetensors"))  # written, never committed
-        assert not os.path.exists(os.path.join(rank, f"step-{kill:012d}.json"))
+    for job, _, n, wait, kill in CASES:
+        for rank in range(n):
+            folder = os.path.join(local_dir, job, f"rank-{rank:05d}")
+            assert os.path.exists(os.path.join(folder, f"step-{wait:012d}.json"))
+            assert os.path.exists(os.path.join(folder, f"step-{kill:012d}.safetensors"))  # written, not committed
+            assert not os.path.exists(os.path.join(folder, f"step-{kill:012d}.json"))
 
-    codes = [_finish(p) for p in [_start(out, local_dir, job, "resume") for job, _, _ in CASES]]
-    for code, text in codes:
+    resumes = [_start(out, local_dir, job, "resume", n) for job, _, n, _, _ in CASES]
+    for code, text in [r for procs in resumes for r in _finish(procs)]:
         assert code == 0, text
-    for job, wait, kill in CASES:
-        full, full_w = _read(out, "ref-" + job.split("-")[1], "full")
-        resumed, resumed_w = _read(out, job, "resume")
-        assert resumed["resumed"] == wait, f"{job}: restored {resumed['resumed']}, not the newest complete step"
-        assert sorted(map(int, resumed["losses"])) == list(range(wait + 1, 16)), f"{job}: resumed at the wrong batch"
-        for step, loss in resumed["losses"].items():
-            assert loss == full["losses"][step], f"{job} step {step}: {loss!r} != {full['losses'][step]!r}"
-        assert (resumed["seen"], resumed["total"]) == (full["seen"], full["total"]), "registered object"
-        for name, value in full_w.items():
-            assert torch.equal(value, resumed_w[name]), f"{job}: {name} differs after the resumed run"
+    for job, ref, n, wait, kill in CASES:
+        for rank in range(n) if n > 1 else [None]:
+            full, full_w = _read(out, ref, "full", rank)
+            resumed, resumed_w = _read(out, job, "resume", rank)
+            where = f"{job} rank {rank or 0}"
+            assert resumed["resumed"] == wait, f"{where}: restored {resumed['resumed']}, not the newest complete step"
+            last = max(map(int, full["losses"]))
+            assert sorted(map(int, resumed["losses"])) == list(range(wait + 1, last + 1)), f"{where}: wrong batch"
+            for step, loss in resumed["losses"].items():
+                assert loss == full["losses"][step], f"{where} step {step}: {loss!r} != {full['losses'][step]!r}"
+            assert (resumed["seen"], resumed["total"]) == (full["seen"], full["total"]), "registered object"
+            for name, value in full_w.items():
+                assert torch.equal(value, resumed_w[name]), f"{where}: {name} differs after the resumed run"
 
 
 def test_state_for_round_trip(local_dir):
