@@ -1,5 +1,5 @@
-"""One process of a tiny Accelerate training loop that checkpoints into incluster (run by
-test_accelerate).
+"""One process (or one DDP rank) of a tiny Accelerate training loop that checkpoints into
+incluster (run by test_accelerate).
 
     hf_accelerate_run.py OUT_DIR LOCAL_DIR JOB MODE [WAIT_STEP]
     MODE: "full"   - train from scratch to the end;
@@ -8,11 +8,13 @@ test_accelerate).
                      half written;
           "resume" - AcceleratorCheckpoint.load() in a fresh process, then train to the end.
 
-A job named "*-gen" shuffles with the loader's own generator (``generator=``), any other
-draws its order from the global RNG. Writes OUT_DIR/<job>-<mode>.json (loss per step, the step restored, the registered
-counter) and .pt (final weights). A small MLP with dropout, AdamW with a warmup schedule,
-a shuffled DataLoader without a seeded sampler (its order comes from the global RNG, or
-from its own generator, at each epoch's start), a counter registered with ``register_for_checkpointing``; CPU.
+A small MLP with dropout, AdamW with a warmup schedule, a shuffled DataLoader without a
+seeded sampler, a counter registered with ``register_for_checkpointing``; CPU. A job named
+"*-gen" shuffles with the loader's own generator (``generator=``); any other draws its
+order from the global RNG (on several ranks: accelerate seeds the sampler's generator
+from it). With RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, Accelerate runs DDP on gloo.
+Writes OUT_DIR/<job>-<mode>[-rank<r>].json (loss per step, the step restored, the
+registered counter) and .pt (final weights).
 """
 
 from __future__ import annotations
