@@ -11,6 +11,7 @@ optimizer step it ran, the final parameters, the step it restored.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -44,13 +45,6 @@ class Tiny(pl.LightningModule):
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.losses[self.global_step + 1] = loss.item()  # the optimizer step this loss drives
         return loss
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Lightning calls optimizer.step(closure); the global pre-step hook ran before the
-        # closure, so a save taken after the previous step is staged by now.
-        handle = self.trainer.strategy.incluster_last_save
-        if handle is not None and not handle.staged.done():
-            raise RuntimeError(f"optimizer step ran while save {handle.step} was still staging")
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         if self.global_step == self.crash_at:  # callbacks (the save) ran first
@@ -101,6 +95,7 @@ def fit(out_dir: str, local_dir: str, job: str, crash_at: int | None, ckpt_path:
 
 def main() -> None:
     out_dir, local_dir, mode = sys.argv[1:4]
+    faulthandler.dump_traceback_later(70, exit=False)  # a hang shows every thread in the log
     if mode == "reference+crash":
         fit(out_dir, local_dir, "ref", None, None)
         fit(out_dir, local_dir, "crash", CRASH_STEP, INCLUSTER)  # nothing saved yet: starts fresh

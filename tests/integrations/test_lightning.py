@@ -79,7 +79,9 @@ def test_ddp_sigkill_mid_epoch_resumes_bitwise(local_dir, tmp_path):
     assert codes == [-signal.SIGKILL] * WORLD, _log_tail(out, "reference+crash")
     time.sleep(0.3)  # the writer processes follow their trainers (parent-death signal)
     for rank in range(WORLD):
-        assert os.path.exists(os.path.join(local_dir, "crash", f"rank-{rank:05d}", "step-000000000012.json"))
+        folder = os.path.join(local_dir, "crash", f"rank-{rank:05d}")
+        assert os.path.exists(os.path.join(folder, "step-000000000012.json")), (
+            sorted(os.listdir(folder)), _log_tail(out, "reference+crash"))
 
     codes = _wait(_launch(out, local_dir, "resume"))
     assert codes == [0] * WORLD, _log_tail(out, "resume")
