@@ -394,6 +394,8 @@ class Checkpointer(SavePipeline):
         try:
             self._stage_pool.submit(lambda: None).result(timeout)
             return True
+        except RuntimeError:  # the interpreter is exiting: its pools' threads were joined already
+            return True
         except TimeoutError:
             log.warning("incluster: rank %d: the staging thread is still busy after %.0f s; closing without "
                         "it (its slot files stay mapped until the process ends)", self.rank, timeout)

@@ -319,3 +319,22 @@ def test_close_is_bounded_when_staging_is_stuck(local_dir, monkeypatch):
         ck.close()  # the save never became durable: said, not waited for without end
     assert time.monotonic() - t0 < 6
     release.set()
+
+
+def test_close_from_a_finalizer_at_interpreter_exit(local_dir):
+    """Frameworks close checkpointers from ``__del__``; at exit the thread pools are gone."""
+    import subprocess
+    import sys
+
+    script = f"""
+import builtins, torch, incluster
+class Holder:
+    def __init__(self, ck): self.ck = ck
+    def __del__(self):
+        self.ck.close(); print("closed at exit")
+ck = incluster.Checkpointer(local_dir={local_dir!r}, job="atexit", writer="thread")
+ck.save(1, {{"w": torch.ones(4)}}).wait()
+builtins._held = Holder(ck)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "closed at exit" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
