@@ -93,7 +93,7 @@ class SoloCoordinator:
 
     def persist_outcome(self, step: int, value: str | None, timeout: float) -> str:
         if value is not None:
-            self._persist[step] = value
+            return self._persist.setdefault(step, value)  # first value wins, as in the store
         return self._persist.get(step, "fail:0:no outcome")
 
     def close(self) -> None:

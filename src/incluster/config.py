@@ -45,7 +45,9 @@ class Config:
     persistent_every: int = 10
     """Every Nth local checkpoint also goes to the persistent tier."""
     persistent_interval_s: float | None = None
-    """Instead of every Nth: a persistent checkpoint at most this often (rank 0's clock)."""
+    """Instead of every Nth: a persistent checkpoint at most this often. Rank 0's clock
+    decides after its commit; the other writers learn it in the background, never in
+    their commit path. The first save of a run persists."""
     persistent_keep: int = 2
     """Manifested steps kept in the persistent tier; older ones are deleted."""
     persistent_options: dict | None = None  # type: ignore[type-arg]

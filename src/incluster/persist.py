@@ -28,6 +28,7 @@ from incluster.testing import faults
 from incluster.tiers.persistent import open_tier
 
 log = logging.getLogger("incluster")
+NOT_DUE = "skipped: not due (persistent_interval_s)"
 MANIFEST = "COMMITTED.json"
 _STEP = re.compile(r"^step-(\d{12,})$")
 
@@ -68,34 +69,64 @@ def manifested_steps(tier: Any, job: str) -> list[int]:
 
 
 class Uploader:
-    def __init__(self, params: PersistParams, coord: Coordinator) -> None:
+    def __init__(self, params: PersistParams, coord: Coordinator, decisions: Coordinator | None = None) -> None:
         self.p = params
         self.coord = coord
+        # Time-based decisions block on their own store client: a store client serves one
+        # blocking wait at a time, and an upload's count must never queue behind one.
+        self.decisions = decisions or coord
         self.tier = open_tier(params.url, params.options)
         self._busy = threading.Lock()
         self._saves = 0
-        self._last_t = 0.0
+        self._last_t: float | None = None  # rank 0: when the last time-based persistent save was due
+        self._decide_lock = threading.Lock()
         self.skipped = 0
         self.failed = 0
 
     def due(self, step: int, ordinal: int) -> bool:
-        """Whether this save goes to the persistent tier: the same answer on every rank.
+        """Whether this save may go to the persistent tier: the same answer on every rank.
         ``ordinal`` counts the trainer's save() calls, not this writer's commits: a rank
-        whose commit failed, or whose writer was started again, still agrees."""
+        whose commit failed, or whose writer was started again, still agrees. With
+        ``interval_s`` every save may (rank 0's clock decides later, off the commit path:
+        :meth:`start`); its slot stays pinned until the decision."""
         self._saves += 1
         if self.p.interval_s is None:
             return ordinal % self.p.every == 0
-        # Time-based: rank 0 decides (its clock), every other rank reads its decision.
-        key_value = None
-        if self.p.rank == 0:
-            now = time.monotonic()
-            key_value = "1" if now - self._last_t >= self.p.interval_s or self._saves == 1 else "0"
-            if key_value == "1":
-                self._last_t = now
-        return self.coord.persist_outcome(-step - 1, key_value, self.p.timeout_s) == "1"
+        return True
 
     def start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None]) -> bool:
-        """Upload in the background; False (skipped) if the previous upload still runs."""
+        """Upload in the background; False (skipped) if the previous upload still runs.
+        With ``interval_s``, first learn (in the background) whether this step is due."""
+        if self.p.interval_s is None:
+            return self._start(step, sidecar, buf, size, done)
+
+        def decide_then_start() -> None:
+            if not self._decide(step):
+                done(NOT_DUE)
+            elif not self._start(step, sidecar, buf, size, done):
+                done("skipped: the previous upload was still running")
+
+        threading.Thread(target=decide_then_start, name=f"incluster-persist-due-{step}", daemon=True).start()
+        return True
+
+    def _decide(self, step: int) -> bool:
+        """Time-based: rank 0's clock decides, every other rank reads its decision (bounded)."""
+        if self.p.rank != 0:
+            return self.decisions.persist_outcome(-step - 1, None, self.p.timeout_s) == "1"
+        with self._decide_lock:
+            now = time.monotonic()
+            due = self._last_t is None or now - self._last_t >= float(self.p.interval_s or 0)
+            if due:
+                self._last_t = now
+            return self.decisions.persist_outcome(-step - 1, "1" if due else "0", 0) == "1"
+
+    def failed_step(self, step: int) -> None:
+        """``step`` failed here: with ``interval_s``, rank 0 marks it not due, so no rank
+        waits for a decision that would never come."""
+        if self.p.interval_s is not None and self.p.rank == 0:
+            self.decisions.persist_outcome(-step - 1, "0", 0)
+
+    def _start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None]) -> bool:
         if not self._busy.acquire(blocking=False):
             self.skipped += 1
             log.warning("incluster: rank %d skips the persistent save of step %d: the previous upload "

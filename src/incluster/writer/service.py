@@ -43,7 +43,8 @@ class CommitService:
         if params.persist is not None:
             from incluster.persist import Uploader
 
-            self.uploader = Uploader(params.persist, _coordinator(params))
+            timed = params.persist.interval_s is not None
+            self.uploader = Uploader(params.persist, _coordinator(params), _coordinator(params) if timed else None)
         self.replicator = None
         if (params.targets or params.sources) and params.store is not None:
             from incluster.replication import Replicator
@@ -149,6 +150,8 @@ class CommitService:
 
     def fail(self, step: int, reason: str) -> None:
         try:
+            if self.uploader is not None:
+                self.uploader.failed_step(step)
             self.coord.failed(step, reason)
         except Exception:  # noqa: BLE001 - the store may be gone; peers then time out instead
             pass

@@ -1,0 +1,33 @@
+"""``persistent_interval_s``: every rank agrees which saves persist, the first always does,
+and no rank's commit waits for rank 0's decision (rank 0's commit may be slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from incluster.testing.faults import FaultInjector
+from incluster.testing.launch import launch
+
+pytestmark = pytest.mark.multiproc
+SCRIPT = os.path.join(os.path.dirname(__file__), "persist_interval_script.py")
+SLOW_S = 6.0
+
+
+def test_time_based_persistent_saves_do_not_tie_writers_to_rank_0(local_dir):
+    out, persist = os.path.join(local_dir, "out"), os.path.join(local_dir, "persist")
+    os.makedirs(out)
+    slow = FaultInjector().fail_at(phase="commit", rank=0, step=3, action="slow", seconds=SLOW_S).env()
+    job = launch([SCRIPT, out, persist], nodes=["n0", "n1"], ranks_per_node=1, base_dir=local_dir, env=slow)
+    codes = job.wait(150)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    res = [json.load(open(os.path.join(out, f"result-r{r}.json"))) for r in range(2)]
+    assert res[0]["persisted"] == res[1]["persisted"], res
+    persisted = res[0]["persisted"]
+    assert persisted[0] == 1 and 1 < len(persisted) < 6, res  # the first, then about once a second
+    manifests = sorted(n for n in os.listdir(os.path.join(persist, "interval")) if n.startswith("step-"))
+    assert manifests and all(os.path.exists(os.path.join(persist, "interval", n, "COMMITTED.json")) for n in manifests)
+    # Rank 1 commits step 4 while rank 0 is still in its slow commit of step 3.
+    assert res[1]["local4_s"] < SLOW_S / 2, res[1]
