@@ -95,3 +95,16 @@ def test_ddp_sigkill_mid_epoch_resumes_bitwise(local_dir, tmp_path):
         assert resumed["params"] == ref["params"], f"rank {rank}: final parameters differ"
         assert (resumed["global_step"], resumed["epoch"]) == (ref["global_step"], ref["epoch"])
     assert _read(out, "ref", 0)["params"] == _read(out, "ref", 1)["params"]  # DDP kept ranks in step
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_gradient_accumulation_does_not_save_the_restored_step_again(local_dir, tmp_path):
+    require("pytorch-lightning", "pytorch_lightning")
+    out = str(tmp_path / "acc.json")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="1", LOCAL_RANK="0",
+               NODE_RANK="0", INCLUSTER_LOCAL_DIR=local_dir, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lightning_accumulate.py"), out],
+                          env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.load(open(out))
+    assert res["first"] == [6, None] and res["second"] == [9, 6], res

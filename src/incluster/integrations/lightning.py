@@ -70,6 +70,9 @@ class _CheckpointHooks:
         self._pending_rng = state_dict.get("rng") if self.rng else None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # A resumed run's first batches may not step (gradient accumulation): the restored
+        # step is saved already and must not be saved again.
+        self._last_saved = trainer.global_step
         # After the restore and after the train dataloader's iterator exists (creating it
         # draws from the global generator): the next draw is the one the saved run made next.
         if self._pending_rng is not None:
