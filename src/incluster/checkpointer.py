@@ -71,11 +71,13 @@ class Checkpointer(SavePipeline):
 
     def __init__(self, **options: Any) -> None:
         self.config = _config.resolve(**options)
+        self._job_derived = False  # rank 0: no job= or INCLUSTER_JOB, so the name came from the launch
         self.rank, self.world_size = _rank_world()
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         if self.rank == 0:
             ramdisk.hint_once(self.config.local_dir)
-            if not options.get("job") and not os.environ.get("INCLUSTER_JOB"):
+            self._job_derived = not options.get("job") and not os.environ.get("INCLUSTER_JOB")
+            if self._job_derived:
                 log.info("incluster: job %r (derived from the launch; pass job= or set INCLUSTER_JOB to "
                          "name it, e.g. to resume it from another launch)", self.config.job)
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
@@ -328,6 +330,10 @@ class Checkpointer(SavePipeline):
         self.last_restore = report
         heal = ctx.heal
         log.info("%s", report.line())
+        if report.step is None and self.rank == 0 and self._job_derived:
+            log.warning("incluster: nothing to restore for job %r, a name derived from this launch (a "
+                        "relaunch with a new run id or port gets a new one); if this run should resume "
+                        "an earlier one, pass job= or set INCLUSTER_JOB", self.config.job)
         self.events.record(
             ev.LOAD, step=report.step, source=report.source, bytes=report.bytes, seconds=report.seconds
         )

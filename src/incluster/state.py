@@ -136,6 +136,8 @@ def _capture(
     obj: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bool = True, bare: list[torch.Tensor] | None = None
 ) -> Any:
     if isinstance(obj, torch.Tensor):
+        if bare is not None and type(obj).__name__ == "ShardedTensor":
+            raise _Rejected  # walked again with paths: the error names it and the fix
         if bare is not None and obj.numel():
             bare.append(obj)
         return obj
@@ -200,6 +202,12 @@ class _Flattener:
         if cls is torch.Tensor or cls is torch.nn.Parameter:  # the common case, first
             return {"T": self.add_tensor(obj, path)}
         if isinstance(obj, torch.Tensor):
+            if type(obj).__name__ == "ShardedTensor":
+                raise CheckpointError(
+                    f"{path}: a ShardedTensor (FSDP1 without a DeviceMesh) cannot be checkpointed; give "
+                    f"FSDP a device_mesh (Lightning: FSDPStrategy(device_mesh=(1, world_size))) so its "
+                    f"state dict holds DTensors, or use FSDP2 (fully_shard)"
+                )
             if dtensor.is_dtensor(obj):
                 name = self.add_tensor(dtensor.local_of(obj), path)
                 return {"D": name, **dtensor.describe(obj)}

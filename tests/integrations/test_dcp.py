@@ -119,10 +119,26 @@ def test_load_dcp_names_what_does_not_match(tmp_path):
     only = {"model": model(seed=3)}
     load_dcp(only, path, strict=False)
     assert torch.equal(only["model"][0].weight, m[0].weight)
-    with pytest.raises(incluster.CheckpointError, match="model"):
+    with pytest.raises(incluster.CheckpointError, match=r"failed: RuntimeError: Missing key in checkpoint state_dict: model\.weight\. Its entries"):
         load_dcp({"model": torch.nn.Linear(2, 2), "sched": {"epoch": 0}}, path)
     with pytest.raises(incluster.NoCheckpointError, match="no DCP checkpoint"):
         load_dcp({"model": model()}, str(tmp_path / "absent"))
+
+
+def test_top_level_names_with_dots(tmp_path):
+    """A flat model.state_dict() at the top level, as torchtitan and plain DCP users save."""
+    m = model()
+    path = str(tmp_path / "flat")
+    dcp.save({**m.state_dict(), "extra": {"tokens": 3}}, checkpoint_id=path)
+    target = model(seed=7)
+    live = {**target.state_dict(), "extra": {"tokens": 0}}
+    load_dcp(live, path)
+    for k, v in m.state_dict().items():
+        assert torch.equal(live[k], v), k
+    assert live["extra"] == {"tokens": 3}
+    part = {"0.weight": torch.zeros(16, 8)}
+    load_dcp(part, path, strict=False)
+    assert torch.equal(part["0.weight"], m[0].weight)
 
 
 def test_export_refuses_pickled_values_for_dcp(local_dir, tmp_path):

@@ -53,3 +53,17 @@ def test_non_persistent_buffers_are_not_copied_at_save_time():
     captured = snap.tree["m"]
     assert m.stat.data_ptr() in captured.buffers
     assert m.cache.data_ptr() not in captured.buffers
+
+
+def test_an_empty_restore_under_a_derived_job_name_says_how_to_resume(local_dir, monkeypatch, caplog):
+    monkeypatch.delenv("INCLUSTER_JOB", raising=False)
+    state = {"w": torch.zeros(3)}
+    with caplog.at_level("WARNING", logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, writer="thread") as ck:
+            assert ck.load(state) is None
+    assert any("pass job=" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, writer="thread", job="named") as ck:
+            assert ck.load(state) is None
+    assert not any("pass job=" in r.getMessage() for r in caplog.records)

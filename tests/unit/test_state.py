@@ -179,3 +179,28 @@ def test_dtensor_shard_saved_with_placement_and_loaded_in_place(tmp_path):
             load_into({"w": torch.zeros(4, 3)}, flat.tree, stored.__getitem__)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_sharded_tensor_is_refused_with_the_fix(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.metadata import ShardMetadata
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        local = [Shard(torch.ones(4, 2), ShardMetadata([0, 0], [4, 2], "rank:0/cpu"))]
+        st = ShardedTensor._init_from_local_shards(local, [4, 2])
+        with pytest.raises(CheckpointError, match="device_mesh"):
+            flatten({"model": {"w": st}})
+
+        class Sharded:  # how a sharded model's state reaches the Checkpointer
+            def state_dict(self):
+                return {"w": st}
+
+            def load_state_dict(self, sd):
+                pass
+
+        with pytest.raises(CheckpointError, match=r"model/w: a ShardedTensor"):
+            flatten({"model": Sharded()})
+    finally:
+        dist.destroy_process_group()

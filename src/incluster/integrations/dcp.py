@@ -84,6 +84,16 @@ def _prepare_optimizers(state: Mapping[str, Any], keys: list[str]) -> None:
                 init_optimizer_state(obj)
 
 
+def _top(fqn: str, meta: Any, state: Mapping[str, Any]) -> str:
+    """The top-level entry a stored key belongs to. Top-level names may hold dots (a flat
+    ``model.state_dict()``): DCP's recorded path says, else the longest matching name."""
+    path = (getattr(meta, "planner_data", None) or {}).get(fqn)
+    if isinstance(path, tuple) and path:
+        return str(path[0])
+    names = [k for k in state if fqn == k or fqn.startswith(f"{k}.")]
+    return max(names, key=len) if names else fqn.split(".", 1)[0]
+
+
 def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, strict: bool = True) -> int | None:
     """Load the DCP checkpoint at ``path`` into ``state`` in place; return ``step``.
 
@@ -95,7 +105,7 @@ def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, stric
 
     meta = _metadata(path)
     keys = sorted(meta.state_dict_metadata)
-    tops = {k.split(".", 1)[0] for k in keys}
+    tops = {_top(k, meta, state) for k in keys}
     extra = sorted(tops - set(state))
     if strict and extra:
         raise CheckpointError(
@@ -114,8 +124,10 @@ def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, stric
     try:
         dcp.load(part, storage_reader=_reader(path), no_dist=not (dist.is_available() and dist.is_initialized()))
     except (RuntimeError, CheckpointException) as exc:  # name what does not match
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = lines[-1] if lines else type(exc).__name__  # DCP wraps the cause in every rank's traceback
         raise CheckpointError(
-            f"loading the DCP checkpoint {path} into this state failed: {exc}. Its entries are "
+            f"loading the DCP checkpoint {path} into this state failed: {why} Its entries are "
             f"{sorted(tops)}; load with the same structure it was saved with"
         ) from exc
     if part is not state:
