@@ -78,7 +78,8 @@ def fit(out_dir: str, local_dir: str, job: str, crash_at: int | None, ckpt_path:
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=MAX_STEPS,
-        callbacks=[InclusterCheckpoint(every_n_steps=EVERY)], logger=False, enable_checkpointing=False, use_distributed_sampler=False,
+        # The reference run does not save: saving must not change what training computes.
+        callbacks=[] if job == "ref" else [InclusterCheckpoint(every_n_steps=EVERY)], logger=False, enable_checkpointing=False, use_distributed_sampler=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
