@@ -1,5 +1,5 @@
 """Accelerate through incluster (tests/integrations/hf_accelerate_run.py, one CPU process
-each): a loop with dropout, a shuffled DataLoader without a seeded sampler (order from the
+or two DDP ranks per run): a loop with dropout, a shuffled DataLoader without a seeded sampler (order from the
 global RNG, or from the loader's own generator), AdamW with a
 warmup schedule and a registered counter saves at mid-epoch and end-of-epoch steps; runs
 wait until one save is durable and are SIGKILLed while a later save is half written; fresh
