@@ -24,7 +24,7 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
-from incluster.integrations import lightning_state as ls
+from incluster.integrations.rng import RngState
 from incluster.integrations.lightning_strategy import INCLUSTER, InclusterStrategyMixin, require_strategy
 
 __all__ = [
@@ -64,7 +64,9 @@ class _CheckpointHooks:
             trainer.strategy.incluster_save(trainer, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": ls.rng_state()} if self.rng else {}
+        # Lightning's own checkpoint keeps no RNG state (and its file holds rank 0's only);
+        # each incluster shard is one rank's, so each rank gets its own generators back.
+        return {"rng": RngState().state_dict()} if self.rng else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng") if self.rng else None
@@ -76,7 +78,7 @@ class _CheckpointHooks:
         # After the restore and after the train dataloader's iterator exists (creating it
         # draws from the global generator): the next draw is the one the saved run made next.
         if self._pending_rng is not None:
-            ls.set_rng_state(self._pending_rng)
+            RngState().load_state_dict(self._pending_rng)
             self._pending_rng = None
 
 

@@ -17,10 +17,8 @@ This module has no Lightning import: it works on plain dicts and torch objects.
 
 from __future__ import annotations
 
-import random
 from typing import Any, Mapping, Sequence
 
-import torch
 
 from incluster.errors import CheckpointError
 
@@ -64,37 +62,3 @@ def to_checkpoint(state: Mapping[str, Any], model_state: dict[str, Any], optimiz
     checkpoint["state_dict"] = model_state
     checkpoint["optimizer_states"] = optimizer_states
     return checkpoint
-
-
-# -- random number generators -----------------------------------------------------------
-# Lightning's own checkpoint keeps no RNG state (and its file holds rank 0's only); each
-# incluster shard is one rank's, so each rank gets its own generators back.
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's torch (CPU and CUDA), Python and NumPy generator states, storable."""
-    version, internal, gauss = random.getstate()
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return out
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    out["numpy"] = [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
-    return out
-
-
-def set_rng_state(saved: Mapping[str, Any]) -> None:
-    """Put back what :func:`rng_state` returned (parts this process lacks are skipped)."""
-    torch.set_rng_state(saved["torch"])
-    version, internal, gauss = saved["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
-    if "numpy" in saved:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = saved["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
