@@ -348,7 +348,10 @@ class Checkpointer(SavePipeline):
                 self._healing = self._stage_pool.submit(self._heal, heal, report.step, replicate)
             elif replicate:
                 self._replicate_restored(report.step)  # heal the replicas, in background
-        self._prepare_after_load(state)  # after the heal, which the next optimizer step waits for
+            self._prepare_after_load(state)  # after the heal, which the next optimizer step waits for
+        # Nothing restored: the state is not read at all. Its state_dict() may have side
+        # effects (torch's get_optimizer_state_dict steps a fresh optimizer once to create
+        # its state), and a fresh optimizer's layout is not the one its first save will have.
         return report.step
 
     def _heal(self, heal: Any, step: int, replicate: bool) -> None:

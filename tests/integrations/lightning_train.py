@@ -22,12 +22,18 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import pytorch_lightning as pl
-from incluster.integrations.lightning import INCLUSTER, InclusterCheckpoint, InclusterDDPStrategy
+from incluster.integrations.lightning import (
+    INCLUSTER,
+    InclusterCheckpoint,
+    InclusterDDPStrategy,
+    InclusterModelParallelStrategy,
+)
 
 MAX_STEPS = 20  # 8 batches per rank and epoch: ends in the third epoch
 EVERY = 3
 CRASH_STEP = 12  # epoch 1, after its 4th batch: a mid-epoch resume
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown unsets it
+STRATEGY = os.environ.get("STRATEGY", "ddp")  # "ddp", or "model_parallel" (FSDP2 over the ranks)
 
 
 class Tiny(pl.LightningModule):
@@ -39,6 +45,12 @@ class Tiny(pl.LightningModule):
         )
         self.crash_at = crash_at
         self.losses: dict[int, float] = {}
+
+    def configure_model(self) -> None:
+        if STRATEGY == "model_parallel":  # each rank keeps a shard of every parameter (DTensors)
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -70,12 +82,19 @@ class Tiny(pl.LightningModule):
         return StatefulDataLoader(data, batch_size=4, sampler=sampler)
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def fit(out_dir: str, local_dir: str, job: str, crash_at: int | None, ckpt_path: str | None) -> None:
     pl.seed_everything(0, verbose=False)
     model = Tiny(crash_at)
-    strategy = InclusterDDPStrategy(
-        checkpointer=dict(local_dir=local_dir, job=job, replicas=0), process_group_backend="gloo"
-    )
+    options = dict(local_dir=local_dir, job=job, replicas=0)
+    if STRATEGY == "model_parallel":
+        strategy = InclusterModelParallelStrategy(checkpointer=options, data_parallel_size=WORLD_SIZE,
+                                                  tensor_parallel_size=1)
+    else:
+        strategy = InclusterDDPStrategy(checkpointer=options, process_group_backend="gloo")
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=MAX_STEPS,
         # The reference run does not save: saving must not change what training computes.
@@ -85,7 +104,7 @@ def fit(out_dir: str, local_dir: str, job: str, crash_at: int | None, ckpt_path:
     trainer.fit(model, ckpt_path=ckpt_path)
     out = {
         "losses": {str(k): v for k, v in sorted(model.losses.items())},
-        "params": {k: v.flatten().tolist() for k, v in model.state_dict().items()},
+        "params": {k: _full(v).flatten().tolist() for k, v in model.state_dict().items()},
         "restored": strategy.incluster_restored_step,
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,

@@ -28,13 +28,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(out_dir: str, local_dir: str, mode: str) -> list[subprocess.Popen[bytes]]:
+def _launch(out_dir: str, local_dir: str, mode: str, strategy: str = "ddp") -> list[subprocess.Popen[bytes]]:
     """Start every rank the way torchrun would (Lightning then runs them as given)."""
     port = _free_port()
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
-                   LOCAL_RANK=str(rank), NODE_RANK="0", PYTHONWARNINGS="ignore")
+                   LOCAL_RANK=str(rank), NODE_RANK="0", PYTHONWARNINGS="ignore", STRATEGY=strategy)
         log = open(os.path.join(out_dir, f"{mode}-{rank}.log"), "wb")
         procs.append(subprocess.Popen([sys.executable, SCRIPT, out_dir, local_dir, mode], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
@@ -69,13 +69,14 @@ def _log_tail(out_dir: str, mode: str) -> str:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
-def test_ddp_sigkill_mid_epoch_resumes_bitwise(local_dir, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
+def test_sigkill_mid_epoch_resumes_bitwise(local_dir, tmp_path, strategy):
     require("pytorch-lightning", "pytorch_lightning")
     require("torchdata", "torchdata.stateful_dataloader")
     out = str(tmp_path)
 
     # A full reference run, then (same processes) a run that SIGKILLs itself after step 12.
-    codes = _wait(_launch(out, local_dir, "reference+crash"))
+    codes = _wait(_launch(out, local_dir, "reference+crash", strategy))
     assert codes == [-signal.SIGKILL] * WORLD, _log_tail(out, "reference+crash")
     time.sleep(0.3)  # the writer processes follow their trainers (parent-death signal)
     for rank in range(WORLD):
@@ -83,7 +84,7 @@ def test_ddp_sigkill_mid_epoch_resumes_bitwise(local_dir, tmp_path):
         assert os.path.exists(os.path.join(folder, "step-000000000012.json")), (
             sorted(os.listdir(folder)), _log_tail(out, "reference+crash"))
 
-    codes = _wait(_launch(out, local_dir, "resume"))
+    codes = _wait(_launch(out, local_dir, "resume", strategy))
     assert codes == [0] * WORLD, _log_tail(out, "resume")
 
     for rank in range(WORLD):

@@ -66,10 +66,32 @@ def test_load_prepares_the_slots_so_the_first_save_maps_nothing(local_dir):
     train(m, o, 1)
     state = {"model": m, "optim": o}
     with _ckpt(local_dir) as ck:
-        assert ck.load(state) is None  # nothing saved yet: a fresh start
+        ck.save(1, state).wait()
+    with _ckpt(local_dir) as ck:  # a restart
+        assert ck.load(state) == 1
         ck._stage_pool.submit(lambda: None).result(30)
-        assert len(ck.ring.slots) == ck.ring.keep and all(s.maps == 1 for s in ck.ring.slots)
+        free = ck.ring.free_slots()  # the restored step's file is kept as it is
+        assert len(ck.ring.slots) == ck.ring.keep and free and all(s.maps == 1 for s in free)
         maps = _maps(ck)
         train(m, o, 1)
-        ck.save(1, state).wait()
+        ck.save(2, state).wait()
         assert _maps(ck) == maps
+
+
+def test_an_empty_load_does_not_touch_the_state(local_dir):
+    """Nothing to restore: no state_dict() is called (torch's get_optimizer_state_dict steps
+    a fresh optimizer once to create its state, which would change training)."""
+    calls = []
+
+    class Probe:
+        def state_dict(self):
+            calls.append(1)
+            return {"w": torch.ones(2)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    with _ckpt(local_dir) as ck:
+        assert ck.load({"probe": Probe()}) is None
+        ck._stage_pool.submit(lambda: None).result(30)
+    assert calls == []
