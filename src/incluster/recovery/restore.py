@@ -206,7 +206,14 @@ class _Run:
             self.received = received
             if received.landing is None:  # set by prepare() whenever no problem was found
                 raise CheckpointError("a received shard has no landing; please report this")
-            self._apply(step, received.sidecar, received.landing)
+            try:
+                self._apply(step, received.sidecar, received.landing)
+            except CorruptCheckpointError as exc:  # the sender's sidecar names what its shard lacks
+                self.received = None
+                received.abandon()
+                self.dirty, self.loaded = True, None
+                self.report.notes.append(f"copy from rank {mine.source} rejected: {exc}")
+                return [(str(mine.source_node), ctx.rank, step)]
         return []
 
     def _heal_now(self) -> None:
@@ -240,13 +247,16 @@ class _Run:
                 read_verified(fd, landing, sc.checksum, path, workers=max(1, min(cap, os.cpu_count() or 1)))
             finally:
                 os.close(fd)
+            # A sidecar whose tree still parses but names what the shard lacks (a flipped
+            # byte in a name) shows only here: it is a bad copy like any other, never an
+            # error that leaves this rank out of the re-plan the others wait in.
+            self._apply(step, sc, landing)
         except CorruptCheckpointError as exc:
-            if landing is not None and landing.placed:
+            if landing is not None:
                 self.dirty, self.loaded = True, None
             bad_copy(ctx, self.report, ctx.rank, step, exc)
             ctx.ring.discard(step)  # my own slot: the ring must forget it too
             return [(ctx.node, ctx.rank, step)]
-        self._apply(step, sc, landing)
         return []
 
     def _apply(self, step: int, sc: Any, landing: Landing) -> None:
