@@ -108,16 +108,21 @@ def test_steps_must_increase(local_dir):
             ck.save(5, {"w": torch.ones(2)})
 
 
-def test_optimizer_pre_step_hook_waits_for_staging(local_dir, monkeypatch):
+@pytest.fixture
+def late_staging(monkeypatch):
+    """Staging starts 0.3 s late: a step that did not wait would land in the copy."""
     from incluster.staging.engine import Stager
 
     run = Stager.run
 
-    def late(self, job):  # staging starts late: a step that did not wait would land in the copy
+    def late(self, job):
         time.sleep(0.3)
         return run(self, job)
 
     monkeypatch.setattr(Stager, "run", late)
+
+
+def test_optimizer_pre_step_hook_waits_for_staging(local_dir, late_staging):
     m = tiny_model()
     o = torch.optim.SGD(m.parameters(), lr=0.5)
     train(m, o, 1)
@@ -136,16 +141,7 @@ def test_optimizer_pre_step_hook_waits_for_staging(local_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("keyword", [False, True])
-def test_step_with_a_closure_overlaps_its_forward_and_waits_before_the_update(local_dir, monkeypatch, keyword):
-    from incluster.staging.engine import Stager
-
-    run = Stager.run
-
-    def late(self, job):
-        time.sleep(0.3)
-        return run(self, job)
-
-    monkeypatch.setattr(Stager, "run", late)
+def test_step_with_a_closure_overlaps_its_forward_and_waits_before_the_update(local_dir, late_staging, keyword):
     m = tiny_model()
     o = torch.optim.SGD(m.parameters(), lr=0.5)
     train(m, o, 1)
