@@ -28,7 +28,7 @@ typecheck: $(STAMP)
 bench: $(STAMP)
 	PYTHON=$(PY) bench/run_all.sh bench-results
 
-# The crash campaign behind docs/reliability.md (TRIALS=51, 3 of each of 17 fault kinds: about 27 minutes here).
+# The crash campaign behind docs/reliability.md (TRIALS=51, 3 of each of 17 fault kinds: about 20 minutes here).
 TRIALS ?= 51
 reliability: $(STAMP)
 	$(PY) scripts/reliability_report.py --trials $(TRIALS)
