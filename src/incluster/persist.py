@@ -77,7 +77,6 @@ class Uploader:
         self.decisions = decisions or coord
         self.tier = open_tier(params.url, params.options)
         self._busy = threading.Lock()
-        self._saves = 0
         self._last_t: float | None = None  # rank 0: when the last time-based persistent save was due
         self._decide_lock = threading.Lock()
         self.skipped = 0
@@ -89,7 +88,6 @@ class Uploader:
         whose commit failed, or whose writer was started again, still agrees. With
         ``interval_s`` every save may (rank 0's clock decides later, off the commit path:
         :meth:`start`); its slot stays pinned until the decision."""
-        self._saves += 1
         if self.p.interval_s is None:
             return ordinal % self.p.every == 0
         return True
@@ -115,7 +113,7 @@ class Uploader:
             return self.decisions.persist_outcome(-step - 1, None, self.p.timeout_s) == "1"
         with self._decide_lock:
             now = time.monotonic()
-            due = self._last_t is None or now - self._last_t >= float(self.p.interval_s or 0)
+            due = self._last_t is None or now - self._last_t >= (self.p.interval_s or 0.0)
             if due:
                 self._last_t = now
             return self.decisions.persist_outcome(-step - 1, "1" if due else "0", 0) == "1"

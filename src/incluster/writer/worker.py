@@ -17,7 +17,9 @@ import queue
 import signal
 import sys
 import threading
+from functools import partial
 from multiprocessing.connection import Connection
+from typing import Callable
 
 from incluster.writer.protocol import Kind, Message, WriterParams
 
@@ -68,21 +70,22 @@ def serve(conn: Connection) -> None:
     watcher.start()
     # Replication runs in step order on its own thread: a partner slow to exchange holds
     # up the durability of the steps it owes, never the next local commit.
-    replicas: "queue.Queue[tuple[int, int, object, bool] | tuple[int, str] | None]" = queue.Queue()
+    replicas: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
 
     def replicate() -> None:
-        while (item := replicas.get()) is not None:
-            if len(item) == 2:
-                step, folder = item  # type: ignore[misc]
-                try:
-                    service.replicate_committed(folder, step)
-                except Exception as exc:  # noqa: BLE001 - the next save replicates anyway
-                    print(f"incluster writer: re-replication of step {step} failed: {exc}", file=sys.stderr)
-                continue
-            seq, step, own, watched = item  # type: ignore[misc]
-            _replicate(service, step, own)  # a failure here fails the step's outcome
-            if watched:
-                outcomes.put((seq, step))
+        while (job := replicas.get()) is not None:
+            job()
+
+    def exchange(seq: int, step: int, own: object, watched: bool) -> None:
+        _replicate(service, step, own)  # a failure here fails the step's outcome
+        if watched:
+            outcomes.put((seq, step))
+
+    def re_replicate(step: int, folder: str) -> None:
+        try:
+            service.replicate_committed(folder, step)
+        except Exception as exc:  # noqa: BLE001 - the next save replicates anyway
+            print(f"incluster writer: re-replication of step {step} failed: {exc}", file=sys.stderr)
 
     replicator = threading.Thread(target=replicate, name="incluster-replicate", daemon=True)
     replicator.start()
@@ -97,7 +100,7 @@ def serve(conn: Connection) -> None:
                 path, own, persist = service.commit(msg.payload)
             except Exception as exc:  # noqa: BLE001
                 send(Message(Kind.ERROR, gen, msg.seq, msg.step, error=str(exc), error_type=type(exc).__name__))
-                replicas.put((msg.seq, msg.step, None, False))
+                replicas.put(partial(exchange, msg.seq, msg.step, None, False))
                 continue
             send(Message(Kind.LOCAL_DONE, gen, msg.seq, msg.step, payload=(path, persist)))
             if persist:
@@ -108,12 +111,12 @@ def serve(conn: Connection) -> None:
 
                 if not service.upload(step, own, uploaded):
                     uploaded("skipped: the previous upload was still running")
-            replicas.put((msg.seq, msg.step, own, True))
+            replicas.put(partial(exchange, msg.seq, msg.step, own, True))
         elif msg.kind is Kind.FAIL:
             service.fail(msg.step, msg.error or "failed")
-            replicas.put((msg.seq, msg.step, None, False))
+            replicas.put(partial(exchange, msg.seq, msg.step, None, False))
         elif msg.kind is Kind.REPLICATE:
-            replicas.put((msg.step, msg.payload))
+            replicas.put(partial(re_replicate, msg.step, msg.payload))
         elif msg.kind is Kind.SHUTDOWN:
             replicas.put(None)
             replicator.join(msg.payload or None)
