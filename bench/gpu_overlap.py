@@ -15,6 +15,11 @@ these ways, and the steps that overlap it are timed against the same steps witho
   whole/nosync  "whole", but the loop syncs with a stream sync instead of loss.item()
   whole/main "whole" enqueued from the training thread itself (no background thread
              waiting on the GPU): tells copy-engine contention from thread effects
+  */low      the same on a side stream of default (lowest) priority instead of the highest
+  whole/pinned-item  "whole", the loop reads its loss into page-locked memory (non-blocking
+             copy, then a stream sync) instead of loss.item() (pageable)
+  ipc        16 MiB copies, two in flight, enqueued by *another process* on the same GPU
+             (the buffer shared over CUDA IPC) into its own page-locked memory
 
 Each variant: drain seconds and GB/s, the mean of the steps it overlapped minus the
 baseline mean, and the worst step. JSON to --out.
@@ -53,18 +58,48 @@ def build(hidden: int, layers: int, tokens: int) -> tuple[Any, Any, torch.Tensor
     return m, o, torch.randn(tokens, hidden, device="cuda")
 
 
-def step(m: Any, o: Any, x: torch.Tensor, item: bool) -> float:
+_PINNED: dict[str, torch.Tensor] = {}
+
+
+def step(m: Any, o: Any, x: torch.Tensor, item: bool | str) -> float:
     t0 = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = m(x).float().pow(2).mean()
     loss.backward()
     o.step()
     o.zero_grad(set_to_none=True)
-    if item:
+    if item == "pinned":
+        dst = _PINNED.setdefault("loss", torch.empty((), pin_memory=True))
+        dst.copy_(loss.detach(), non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+    elif item:
         loss.item()
     else:
         torch.cuda.current_stream().synchronize()
     return time.perf_counter() - t0
+
+
+def _ipc_child(inbox: Any, outbox: Any) -> None:
+    """Drains the shared device buffer into this process's page-locked memory on command."""
+    torch.cuda.set_device(0)
+    g = inbox.get()
+    n = g.numel()
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream()
+    outbox.put("ready")
+    while inbox.get() is not None:
+        t0 = time.perf_counter()
+        flight: list[Any] = []
+        with torch.cuda.stream(side):
+            for a in range(0, n, PIECE):
+                host[a : min(n, a + PIECE)].copy_(g[a : min(n, a + PIECE)], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(side)
+                flight.append(ev)
+                while len(flight) > 2:
+                    flight.pop(0).synchronize()
+        side.synchronize()
+        outbox.put((time.perf_counter() - t0, bool(torch.equal(host[: 1 << 20].cuda(), g[: 1 << 20]))))
 
 
 def main() -> int:
@@ -74,6 +109,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8, help="steps timed per variant")
+    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA: nothing to measure")
@@ -98,27 +134,28 @@ def main() -> int:
         rt = torch.cuda.cudart()
         err = rt.cudaHostRegister(host.data_ptr(), n, 0)
         out["register"] = int(getattr(err, "value", err))
-        side = torch.cuda.Stream(priority=-100)
+        high, low = torch.cuda.Stream(priority=-100), torch.cuda.Stream(priority=0)
+        side = high
 
-        def whole() -> None:
-            with torch.cuda.stream(side):
+        def whole(stream: Any = high) -> None:
+            with torch.cuda.stream(stream):
                 for a, k in views:
                     host[a : a + k].copy_(gbuf[a : a + k], non_blocking=True)
-            side.synchronize()
+            stream.synchronize()
 
-        def pieces(window: int | None) -> Callable[[], None]:
+        def pieces(window: int | None, stream: Any = high) -> Callable[[], None]:
             def run() -> None:
                 flight: list[Any] = []
-                with torch.cuda.stream(side):
+                with torch.cuda.stream(stream):
                     for a in range(0, n, PIECE):
                         host[a : min(n, a + PIECE)].copy_(gbuf[a : min(n, a + PIECE)], non_blocking=True)
                         if window is not None:
                             ev = torch.cuda.Event()
-                            ev.record(side)
+                            ev.record(stream)
                             flight.append(ev)
                             while len(flight) > window:
                                 flight.pop(0).synchronize()
-                side.synchronize()
+                stream.synchronize()
             return run
 
         def kernel() -> None:
@@ -128,12 +165,30 @@ def main() -> int:
                 torch.bitwise_or(s64, 0, out=d64)
             side.synchronize()
 
-        variants: list[tuple[str, Callable[[], None], bool]] = [
+        ipc: dict[str, Any] = {}
+
+        def via_ipc() -> None:
+            if not ipc:
+                ctx = torch.multiprocessing.get_context("spawn")
+                ipc["in"], ipc["out"] = ctx.Queue(), ctx.Queue()
+                ipc["proc"] = ctx.Process(target=_ipc_child, args=(ipc["in"], ipc["out"]), daemon=True)
+                ipc["proc"].start()
+                ipc["in"].put(gbuf)
+                assert ipc["out"].get(timeout=120) == "ready"
+            ipc["in"].put("go")
+            ipc["last"] = ipc["out"].get(timeout=60)
+
+        variants: list[tuple[str, Callable[[], None], bool | str]] = [
             ("whole", whole, True), ("pieces", pieces(None), True), ("paced", pieces(2), True),
             ("kernel", kernel, True), ("whole/nosync", whole, False), ("whole/main", whole, True),
+            ("whole/low", lambda: whole(low), True), ("paced/low", pieces(2, low), True),
+            ("whole/pinned-item", whole, "pinned"), ("ipc", via_ipc, True),
         ]
-        base = {True: [step(m, o, x, True) for _ in range(args.steps)],
-                False: [step(m, o, x, False) for _ in range(args.steps)]}
+        only = [v for v in args.only.split(",") if v]
+        variants = [v for v in variants if not only or v[0] in only]
+        if any(v[0] == "ipc" for v in variants):
+            via_ipc()  # start the other process and warm it before anything is timed
+        base = {k: [step(m, o, x, k) for _ in range(args.steps)] for k in (True, False, "pinned")}
         out["baseline_ms"] = {str(k): 1e3 * sum(v) / len(v) for k, v in base.items()}
         print(f"state {n / 2**30:.2f} GiB; baseline step {out['baseline_ms']['True']:.1f} ms "
               f"(loss.item()), {out['baseline_ms']['False']:.1f} ms (stream sync)", flush=True)
@@ -169,7 +224,7 @@ def main() -> int:
                         if len(steps) >= 40:
                             break
                     th.join()
-                ok = bool(torch.equal(host[: 1 << 20].cuda(), gbuf[: 1 << 20]))
+                ok = ipc["last"][1] if name == "ipc" else bool(torch.equal(host[: 1 << 20].cuda(), gbuf[: 1 << 20]))
                 b = sum(base[item]) / len(base[item])
                 res.update(steps_ms=[1e3 * s for s in steps], gbps=n / res["drain_s"] / 1e9, bytes_ok=ok,
                            overlap_extra_ms=1e3 * (sum(steps) - b * len(steps)), worst_ms=1e3 * max(steps))
@@ -180,6 +235,9 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - a diagnostic: record and go on
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"{name}: ERROR {type(exc).__name__}: {exc}", flush=True)
+        if ipc:
+            ipc["in"].put(None)
+            ipc["proc"].join(timeout=30)
         rt.cudaHostUnregister(host.data_ptr())
         del host
         try:
