@@ -102,6 +102,7 @@ def incluster_features() -> dict[str, Any]:
         "path": os.path.dirname(os.path.abspath(incluster.__file__)),
         "gpu_snapshot_option": "gpu_snapshot" in inspect.signature(incluster.config.resolve).parameters,
         "prepare": hasattr(incluster.Checkpointer, "prepare"),
+        "gpu_drain_option": "gpu_drain" in inspect.signature(incluster.config.resolve).parameters,
     }
 
 
@@ -110,7 +111,9 @@ def checkpointer(args: argparse.Namespace, root: str, job: str, mode: str | None
 
     opts: dict[str, Any] = dict(local_dir=root, job=job, replicas=0, slot_timeout_s=WAIT_S, **more)
     if mode is not None and args.features["gpu_snapshot_option"]:
-        opts["gpu_snapshot"] = None if mode == "snapshot" else 0
+        opts["gpu_snapshot"] = 0 if mode == "direct" else None
+    if mode is not None and args.features.get("gpu_drain_option"):
+        opts["gpu_drain"] = "trainer" if mode == "trainer-drain" else "writer"
     return incluster.Checkpointer(**opts)
 
 
@@ -134,6 +137,12 @@ def run_incluster(args: argparse.Namespace, report: dict[str, Any], kind: str, t
                 ckpt.prepare(state).result(WAIT_S)
                 res["prepare_s"] = time.perf_counter() - t0
             res["gpu_snapshot_active_after_prepare"] = getattr(ckpt, "gpu_snapshot_active", None)
+            if mode == "snapshot" and args.dev == "cuda" and hasattr(ckpt, "gpu_drain_in_writer"):
+                t0 = time.perf_counter()  # the writer opens the shared buffer in the background
+                while not ckpt.gpu_drain_in_writer and time.perf_counter() - t0 < 60:
+                    time.sleep(0.05)
+                res["writer_open_s"] = time.perf_counter() - t0
+                res["gpu_drain_in_writer"] = ckpt.gpu_drain_in_writer
             handles: list[tuple[int, Any]] = []
             times: list[float] = []
             try:  # a failing save keeps the saves and steps before it
@@ -227,6 +236,8 @@ def plan(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, st
     for kind in ("copy", "compute"):
         p.append((f"baseline.{kind}", "baseline", partial(run_baseline, args, tok[kind])))
     ten = [(kind, mode) for kind in ("copy", "compute") for mode in ("snapshot", "direct")]
+    if args.features.get("gpu_drain_option"):  # the drain in the trainer, for comparison
+        ten.insert(1, ("copy", "trainer-drain"))
     if not args.features["gpu_snapshot_option"]:  # both modes would be the same run
         ten = [(kind, mode) for kind, mode in ten if mode == "direct"]
         for kind in ("copy", "compute"):
@@ -240,7 +251,7 @@ def plan(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, st
         for kind in ("copy", "compute"):
             p.append((config_name("dcp.default", kind, "10"), "dcp",
                       partial(run_dcp_config, args, report, kind, tok[kind], None, kind == "compute")))
-    for kind, mode in ten:
+    for kind, mode in sorted(ten, key=lambda km: km[1] != "snapshot"):  # the default first
         p.append((config_name(f"incluster.{mode}", kind, "k"), "incluster",
                   partial(run_every_k, args, report, kind, tok[kind], mode)))
     if args.dcp_kept and not args.no_dcp:

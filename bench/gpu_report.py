@@ -11,7 +11,7 @@ from typing import Any
 from _common import markdown_table, median, ms, ratio  # noqa: E402 - bench/ is not a package
 
 KINDS = ("copy", "compute")
-MODES = ("snapshot", "direct")
+MODES = ("snapshot", "trainer-drain", "direct")
 FLOORS = (  # key, row label
     ("d2h_pinned", "floor (a) D2H -> pinned host"),
     ("d2h_registered_shm", "floor (b) D2H -> registered /dev/shm"),
@@ -135,17 +135,18 @@ def table(report: dict[str, Any]) -> str:
     cfgs = report.get("configs", {})
     floors = report.get("floors") or {}
     ks = report.get("every_k") or {}
-    headers = ["", "incluster snapshot", "incluster direct", "dcp.async_save default"]
+    headers = ["", "incluster snapshot (writer drains)", "snapshot, trainer drains", "incluster direct",
+               "dcp.async_save default"]
     rows: list[list[str]] = []
     for key, label in FLOORS:
-        rows.append([label, _floor_cell(floors.get(key)), "", ""])
+        rows.append([label, _floor_cell(floors.get(key)), "", "", ""])
     for kind in KINDS:
         base = (report.get("baseline") or {}).get(kind) or {}
         tok = base.get("tokens", "?")
         st = base.get("stats") or {}
         cell = "ERROR" if base.get("error") else "skipped" if base.get("skipped") else (
             f"{ms(st.get('mean_s'))} / {ms(st.get('median_s'))} / {ms(st.get('max_s'))}")
-        rows.append([f"[{kind} {tok} tok] no-checkpoint step mean/median/max, ms", cell, "", ""])
+        rows.append([f"[{kind} {tok} tok] no-checkpoint step mean/median/max, ms", cell, "", "", ""])
         for every in ("10", "k"):
             n = "10" if every == "10" else str(ks.get(kind, "k"))
             tag = f"[{kind}, every {n}]"
@@ -163,9 +164,9 @@ def table(report: dict[str, Any]) -> str:
         rows.append([f"[{kind}] gpu_snapshot_active / prepare s",
                      *(f"{c.get('gpu_snapshot_active')} / {_sec(c.get('prepare_s'))}" if c else "—" for c in act), ""])
     h2d = (floors.get("h2d_pinned") or {}).get("s")
-    rows.append(["restore min / median ms (x floor c)", "", _restore_cell(report.get("restore"), h2d),
+    rows.append(["restore min / median ms (x floor c)", "", "", _restore_cell(report.get("restore"), h2d),
                  _restore_cell(report.get("dcp_load"), h2d)])
-    return markdown_table(headers, rows, right=[False, True, True, True])
+    return markdown_table(headers, rows, right=[False, True, True, True, True])
 
 
 def _sec(x: float | None) -> str:

@@ -118,6 +118,12 @@ class Checkpointer(SavePipeline):
             if self.config.writer == "process"
             else ThreadWriter(params, on_persisted=self._persisted)
         )
+        if self.config.writer == "process" and self.config.gpu_drain == "writer":
+            from incluster.staging.remote_drain import RemoteDrain
+
+            self._stager.remote = RemoteDrain(lambda: self._writer, self._free_slot_files)
+            self._stager.remote_timeout_s = self.config.slot_timeout_s
+            self._writer.drain_listener = self._stager.remote  # type: ignore[attr-defined]
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
         self._inflight: StageJob | None = None
         self._healing: Future[None] | None = None  # a peer restore's heal, on the staging thread
@@ -138,6 +144,16 @@ class Checkpointer(SavePipeline):
     def gpu_snapshot_active(self) -> bool:
         """Whether the last GPU save went through the device-side snapshot."""
         return self._stager.device_active
+
+    @property
+    def gpu_drain_in_writer(self) -> bool:
+        """Whether the writer process has the device-side snapshot open (its drains run there)."""
+        remote = self._stager.remote
+        return bool(remote is not None and remote.is_open(self._writer))
+
+    def _free_slot_files(self) -> list[tuple[int, str, int]]:
+        """(index, path, size) of the free, mapped slot files: the writer page-locks them."""
+        return [(s.index, s.path, s.size) for s in self.ring.free_slots() if s.buf is not None and s.size]
 
     @property
     def writer_pid(self) -> int | None:

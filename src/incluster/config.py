@@ -56,6 +56,11 @@ class Config:
     """GPU state: bytes of device memory a reused device-side snapshot may take (the
     optimizer then waits ~1 ms/GiB for a device-to-device copy instead of PCIe). None:
     automatic, only memory the job never used so far; 0: off, copy device-to-host directly."""
+    gpu_drain: str = "writer"
+    """Who copies the device-side snapshot to host memory: "writer" (the writer process,
+    through CUDA IPC: the training loop's own device-to-host copies, e.g. ``loss.item()``,
+    never queue behind it) or "trainer" (a thread of the training process). "writer"
+    needs writer="process"; otherwise the trainer drains."""
     writer: str = "process"
     """Where commits run: "process" (a writer process per rank, no GIL contention with
     the trainer) or "thread" (a background thread; no extra process)."""
@@ -81,6 +86,8 @@ class Config:
             not isinstance(self.gpu_snapshot, int) or isinstance(self.gpu_snapshot, bool) or self.gpu_snapshot < 0
         ):
             raise ValueError(f"gpu_snapshot must be None (automatic), 0 (off) or a number of bytes (got {self.gpu_snapshot!r})")
+        if self.gpu_drain not in ("writer", "trainer"):
+            raise ValueError(f'gpu_drain must be "writer" or "trainer" (got {self.gpu_drain!r})')
         if self.writer not in ("process", "thread"):
             raise ValueError(f'writer must be "process" or "thread" (got {self.writer!r})')
         if not self.node or "/" in self.node:
@@ -100,6 +107,7 @@ def resolve(
     run_dir: str | os.PathLike[str] | None = None,
     writer: str = "process",
     gpu_snapshot: int | None = None,
+    gpu_drain: str = "writer",
     persistent: Any = None,
     persistent_every: int = 10,
     persistent_interval_s: float | None = None,
@@ -121,6 +129,7 @@ def resolve(
         run_dir=os.fspath(rd) if rd else None,
         writer=writer,
         gpu_snapshot=gpu_snapshot,
+        gpu_drain=gpu_drain,
         persistent=_persistent_url(persistent if persistent is not None else env.get("INCLUSTER_PERSISTENT")),
         persistent_every=persistent_every,
         persistent_interval_s=persistent_interval_s,

@@ -93,6 +93,7 @@ class SavePipeline:
                 fsync=self.config.fsync,
                 ordinal=job.ordinal,
                 digests=tuple(job.digests) if job.digests is not None else None,
+                drain=job.drain,
             )
         except BaseException as exc:  # noqa: BLE001 - reported through the futures
             self._fail(job, handle, exc, "staging")
@@ -117,6 +118,7 @@ class SavePipeline:
         # Right after each save is handed to the writer, on this thread: the other slots are
         # ready (sized, mapped, page-locked) before the next save takes one.
         self._warm(job.layout)
+        self._stager.offer_remote()  # a new writer, or a new buffer: shared before the next save
 
     def _local_done(self, job: StageJob, handle: SaveHandle, fut: "Future[tuple[str, bool]]") -> None:
         if fut.exception() is None:
@@ -181,6 +183,8 @@ class SavePipeline:
         )
         if err is not exc:
             err.__cause__ = exc
+        if job.drain is not None and self._stager.remote is not None:
+            self._stager.remote.done(job.step)  # a failed drain stopped reading; a dead writer reads nothing
         self.ring.fail(job.slot, job.step)  # one locked transition: no save can take it half way
         self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
         with self._lock:
@@ -241,6 +245,7 @@ class SavePipeline:
                 self._writer = _spawner().submit(
                     ProcessWriter, params, on_persisted=self._persisted, on_death=self._writer_died
                 ).result()
+                self._writer.drain_listener = self._stager.remote  # type: ignore[attr-defined]
             except BaseException:
                 # Partners wait for the announced incarnation: say which comes next, or that none will.
                 done = self._writer_restarts >= MAX_WRITER_RESTARTS
@@ -285,3 +290,4 @@ class SavePipeline:
         elif any(t.is_cuda for t in flat.tensors):
             self._stager.pin = True
         self._warm(layout)
+        self._stager.offer_remote()

@@ -8,6 +8,9 @@ Runs only where CUDA is available (marker ``gpu``); CPU-only runs skip it.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -67,20 +70,86 @@ def _assert_shard(folder, step, expected):
     assert not differ, f"{len(differ)} of {len(expected)} tensors hold values from after save(): {differ[:4]}"
 
 
-@pytest.mark.parametrize("gpu_snapshot", [None, 0], ids=["device-snapshot", "direct"])
-def test_optimizer_step_right_after_save_is_ordered_after_the_copies(local_dir, delayed_copies, gpu_snapshot):
+def _wait_writer_drains(ck, seconds: float = 120.0) -> None:
+    """The writer process has the device-side snapshot open (it is shared after a save)."""
+    deadline = time.monotonic() + seconds
+    while not ck.gpu_drain_in_writer:
+        assert time.monotonic() < deadline, "the writer never opened the device-side snapshot"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def remote_steps(monkeypatch):
+    """Steps whose drain was handed to the writer process."""
+    from incluster.staging.remote_drain import RemoteDrain
+
+    steps: list[int] = []
+    begin = RemoteDrain.begin
+
+    def record(self, step):
+        steps.append(step)
+        return begin(self, step)
+
+    monkeypatch.setattr(RemoteDrain, "begin", record)
+    return steps
+
+
+@pytest.mark.parametrize(
+    "gpu_snapshot,drain", [(None, "writer"), (None, "trainer"), (0, "writer")],
+    ids=["snapshot-writer-drains", "snapshot-trainer-drains", "direct"],
+)
+def test_optimizer_step_right_after_save_is_ordered_after_the_copies(
+    local_dir, delayed_copies, remote_steps, gpu_snapshot, drain
+):
     m, o = _model()
-    with incluster.Checkpointer(local_dir=local_dir, job="order", replicas=0, gpu_snapshot=gpu_snapshot) as ck:
+    with incluster.Checkpointer(
+        local_dir=local_dir, job="order", replicas=0, gpu_snapshot=gpu_snapshot, gpu_drain=drain
+    ) as ck:
         _step(m, o)
         state = {"model": m, "optim": o}
         ck.save(1, state).wait()  # slots ready
+        if gpu_snapshot is None and drain == "writer":
+            _wait_writer_drains(ck)
         _step(m, o)
         expected = _expected(state)
         h = ck.save(2, state)
         _step(m, o)  # no synchronization: the pre-step hook must order the update on the GPU
         h.wait()
         assert ck.gpu_snapshot_active is (gpu_snapshot is None)
+        assert (2 in remote_steps) is (gpu_snapshot is None and drain == "writer")
         _assert_shard(ck.folder, 2, expected)
+
+
+def test_a_writer_killed_while_it_drains_loses_only_that_save(local_dir, remote_steps):
+    """SIGKILL the writer right after it took a drain: that save fails, the buffer is
+    free again, the next saves drain in the trainer until a new writer opens it."""
+    m, o = _model()
+    _step(m, o)
+    state = {"model": m, "optim": o}
+    with incluster.Checkpointer(local_dir=local_dir, job="kill-drain", replicas=0) as ck:
+        ck.prepare(state).result(120)
+        _wait_writer_drains(ck)
+        ck.save(1, state).wait()
+        assert remote_steps == [1]
+        _step(m, o)
+        h = ck.save(2, state)
+        h.staged.result(60)
+        os.kill(ck.writer_pid, signal.SIGKILL)
+        try:
+            h.wait()
+        except incluster.CheckpointError:
+            pass  # lost with the writer (or committed just before the kill)
+        for step in (3, 4):
+            _step(m, o)
+            expected = _expected(state)
+            ck.save(step, state).wait()
+            _assert_shard(ck.folder, step, expected)
+        _wait_writer_drains(ck)  # the new writer has it open again
+        _step(m, o)
+        expected = _expected(state)
+        ck.save(5, state).wait()
+        assert 5 in remote_steps
+        _assert_shard(ck.folder, 5, expected)
 
 
 def test_plain_dict_state_is_ordered_too(local_dir, delayed_copies):
@@ -130,10 +199,11 @@ def test_prepare_page_locks_every_slot_before_the_first_save(local_dir):
         assert [s.maps for s in ck.ring.slots] == maps
 
 
-def test_a_remapped_slot_is_page_locked_again(local_dir):
+@pytest.mark.parametrize("gpu_snapshot", [0, None], ids=["direct", "snapshot-writer-drains"])
+def test_a_remapped_slot_is_page_locked_again(local_dir, gpu_snapshot):
     m, o = _model()
     _step(m, o)
-    with incluster.Checkpointer(local_dir=local_dir, job="remap", replicas=0, gpu_snapshot=0) as ck:
+    with incluster.Checkpointer(local_dir=local_dir, job="remap", replicas=0, gpu_snapshot=gpu_snapshot) as ck:
         ck.save(1, {"model": m, "optim": o}).wait()
         ck.save(2, {"model": m, "optim": o}).wait()
         extra = torch.randn(3, 1 << 20, device="cuda")  # the shard grows by 12 MiB: slots re-map

@@ -20,16 +20,21 @@ DEFAULT_CHUNK = 64 * 1024 * 1024
 _pool: ThreadPoolExecutor | None = None
 
 
-def hash_threads() -> int:
-    """Threads that hash one shard: half this rank's share of the node's cores (ranks
-    per node from torchrun's LOCAL_WORLD_SIZE), at least 2 and at most 8, so a commit
-    keeps up with a device-to-host copy (~55 GB/s) without starving the trainers."""
+def core_share() -> int:
+    """This rank's share of the node's cores (ranks per node from torchrun's LOCAL_WORLD_SIZE)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
-    return max(2, min(8, cores // local // 2))
+    return max(1, cores // local)
+
+
+def hash_threads() -> int:
+    """Threads that hash one shard: half this rank's share of the node's cores, at least
+    2 and at most 8, so a commit keeps up with a device-to-host copy (~55 GB/s) without
+    starving the trainers."""
+    return max(2, min(8, core_share() // 2))
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -180,30 +180,34 @@ def snap(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any, start: Any) -
     return ev
 
 
-def drain(plan: Plan, buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any, chunk: int) -> list[str]:
-    """Copy every run to the slot in ``PIECE``-byte copies, at most ``WINDOW`` in flight,
-    and hash each ``chunk`` of the file as soon as the copies have passed it; returns the
+def drain(
+    device: int, lo: int, runs: Sequence[tuple[int, int]], buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any,
+    chunk: int,
+) -> list[str]:
+    """Copy every run (file ranges; the buffer starts at file offset ``lo``) to the slot
+    in ``PIECE``-byte copies, at most ``WINDOW`` in flight, and hash each ``chunk`` of the file as soon as the copies have passed it; returns the
     digests of the whole file (the header and bytes outside the runs must be in already).
 
     The pieces exist so hashing can start while the drain goes on. (They do not spare a
-    training loop's ``loss.item()`` the wait for the drain: ``bench/gpu_overlap.py``.)"""
+    training loop's ``loss.item()`` the wait for a drain its own process enqueued:
+    ``bench/gpu_overlap.py``; hence :mod:`incluster.staging.remote_drain`.)"""
     size = slot_buf.numel()
     view = memoryview(slot_buf.numpy())  # type: ignore[arg-type]
     pool = checksum_pool()
     futures: list[Any] = []
     flight: deque[tuple[int, Any]] = deque()
-    done_to = plan.lo  # every byte below this is in the slot
+    done_to = lo  # every byte below this is in the slot
 
     def advance(upto: int) -> None:
         while len(futures) * chunk < size and min(size, (len(futures) + 1) * chunk) <= upto:
             k = len(futures)
             futures.append(pool.submit(digest, view[k * chunk : min(size, (k + 1) * chunk)]))
 
-    with torch.cuda.device(plan.device), torch.cuda.stream(stream):
-        for a, b in plan.runs:
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for a, b in runs:
             for at in range(a, b, PIECE):
                 end = min(b, at + PIECE)
-                slot_buf[at:end].copy_(buf[at - plan.lo : end - plan.lo], non_blocking=True)
+                slot_buf[at:end].copy_(buf[at - lo : end - lo], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 flight.append((end, ev))

@@ -54,6 +54,7 @@ class StageJob:
     layout: Layout | None = None
     ordinal: int = 0  # how many save() calls this Checkpointer took before this one
     digests: list[str] | tuple[str, ...] | None = None  # the shard's chunk digests, if hashed here
+    drain: tuple[int, int, tuple[tuple[int, int], ...]] | None = None  # left to the writer (CommitRequest.drain)
 
     def mark_staged(self) -> None:
         """The state may change from now on (its bytes are out, or in the device snapshot)."""
@@ -89,6 +90,8 @@ class Stager:
         self._cuda: Any = None
         self._device: Any = None  # device_snapshot.DeviceSnapshots, at the first GPU save
         self._helper: ThreadPoolExecutor | None = None
+        self.remote: Any = None  # remote_drain.RemoteDrain: the writer process drains (gpu_drain="writer")
+        self.remote_timeout_s = 300.0
 
     @property
     def device_active(self) -> bool:
@@ -105,6 +108,8 @@ class Stager:
             kinds = self.kinds(flat.tensors)
             if "g" in kinds:
                 self.pin = True
+                if self.remote is not None:  # the writer is done reading the buffer
+                    self.remote.wait_free(self.remote_timeout_s)
                 plan = self._devices().plan(layout, flat.tensors, kinds)
             if plan is None:
                 self._copy_direct(job, flat.tensors, layout)
@@ -125,12 +130,20 @@ class Stager:
             from incluster.staging.device_snapshot import drain
 
             views = self._views(job.slot, layout)  # maps (and page-locks) a slot not warmed yet
-            cuda.register(job.slot)
+            remote = self.remote is not None and self.remote.offer(self._device.buf)
+            if not remote:
+                cuda.register(job.slot)
             stream = self._copier().stream(plan.device)
             with torch.cuda.device(plan.device), torch.cuda.stream(stream):
                 for i, clone in after:  # before the drain, in stream order
                     (plan.inside[i] if i in plan.inside else views[i]).copy_(clone)
-            job.digests = drain(plan, self._device.buf, job.slot.buf, stream, DEFAULT_CHUNK)  # type: ignore[arg-type]
+            if remote:  # the writer process copies and hashes (see remote_drain)
+                stream.synchronize()  # the small tensors are in the buffer before it reads
+                job.drain = (self.remote.buf_id, plan.lo, tuple(plan.runs))
+                self.remote.begin(job.step)
+            else:
+                job.digests = drain(plan.device, plan.lo, plan.runs, self._device.buf, job.slot.buf, stream,
+                                    DEFAULT_CHUNK)  # type: ignore[arg-type]
         elif job.cuda_done and job.slot.buf is not None:
             # The bytes are in the slot: staged. Hashing them here, in parallel, spares the
             # writer process a pass (and a first mapping with its page tables) per slot.
@@ -191,6 +204,12 @@ class Stager:
         if "g" in kinds:
             self.pin = True
             self._devices().plan(layout, tensors, kinds)
+
+    def offer_remote(self) -> None:
+        """Off the training path: share the device-side snapshot with the writer process
+        now, so the next save's drain already runs there."""
+        if self.remote is not None and self._device is not None and self._device.buf is not None:
+            self.remote.offer(self._device.buf)
 
     def ready(self, slot: Slot, layout: Layout) -> None:
         """Off the training path: the slot sized, mapped, headed for ``layout`` (and

@@ -41,6 +41,9 @@ class CommitRequest:
     chunk: int = DEFAULT_CHUNK
     ordinal: int = 0  # the save's place among this rank's save() calls: the same on every rank
     digests: tuple[str, ...] | None = None  # chunk digests the trainer computed as the bytes landed
+    # gpu_drain="writer": (buffer id, file offset of the buffer, file ranges) to copy from the
+    # trainer's device-side snapshot into the slot before the commit (the writer hashes them)
+    drain: tuple[int, int, tuple[tuple[int, int], ...]] | None = None
 
 
 def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:

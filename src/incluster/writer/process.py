@@ -79,6 +79,7 @@ class ProcessWriter:
         self._dead: WriterProcessDied | None = None
         self._bye = threading.Event()
         self._gone = threading.Event()  # BYE received, or the process found dead
+        self.drain_listener: Any = None  # staging.remote_drain.RemoteDrain (gpu_drain="writer")
         self._send(Message(Kind.HELLO, self.gen, payload=params))
         if not self.conn.poll(handshake_timeout_s):
             self.proc.kill()
@@ -146,6 +147,15 @@ class ProcessWriter:
             except Exception:  # noqa: BLE001 - the store is gone too; peers time out instead
                 pass
 
+    def share_device_buffer(self, buf_id: int, buf: Any, slots: list[tuple[int, str, int]]) -> None:
+        """Hand the device-side snapshot buffer to the writer (CUDA IPC: torch's reduction of
+        a CUDA tensor; this process keeps the buffer alive) with the slot files it should
+        page-lock now; it answers DEVICE_READY."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(buf)
+        self._send(Message(Kind.DEVICE_BUFFER, self.gen, payload=(buf_id, args, buf.device.index or 0, slots)))
+
     def replicate(self, folder: str, step: int) -> None:
         """Re-send ``step``'s replicas in the background (after a restore)."""
         try:
@@ -170,6 +180,13 @@ class ProcessWriter:
             if msg.kind is Kind.PERSISTED:
                 if self._on_persisted is not None:
                     self._on_persisted(msg.step, msg.error)
+                continue
+            if msg.kind in (Kind.DEVICE_READY, Kind.DRAINED):
+                listener = self.drain_listener
+                if listener is not None and msg.kind is Kind.DRAINED:
+                    listener.done(msg.step)
+                elif listener is not None:
+                    listener.on_ready(self.gen, msg.payload, msg.error)
                 continue
             with self._lock:
                 futs = self._pending.get(msg.seq)

@@ -25,6 +25,9 @@ class Kind(enum.Enum):
     ERROR = "error"  # writer -> trainer: the local commit failed (error: message)
     BYE = "bye"  # writer -> trainer: shut down cleanly
     PERSISTED = "persisted"  # writer -> trainer: the step's upload ended (error None = in the manifest)
+    DEVICE_BUFFER = "device_buffer"  # trainer -> writer: (id, CUDA IPC args, device, slots to page-lock)
+    DEVICE_READY = "device_ready"  # writer -> trainer: the buffer is open (payload: id; error: why not)
+    DRAINED = "drained"  # writer -> trainer: done reading the device-side snapshot for this step
 
 
 @dataclass(frozen=True)

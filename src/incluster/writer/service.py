@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any
+from typing import Any, Callable
 
 from incluster.commit import Coordinator, SoloCoordinator, StoreCoordinator
 from incluster.testing import faults
@@ -39,6 +39,7 @@ class CommitService:
         self.coord = _coordinator(params)
         self.watch = self.coord if params.store is None else _coordinator(params)
         self._maps: dict[str, tuple[int, int, int, mmap.mmap]] = {}  # slot key -> (ino, size, fd, map)
+        self.on_unmap: Callable[[mmap.mmap], None] | None = None  # before a mapping is closed
         self.uploader = None
         if params.persist is not None:
             from incluster.persist import Uploader
@@ -160,28 +161,33 @@ class CommitService:
         self.watch.wait_outcome(step, self.params.outcome_timeout_s)
 
     def _map(self, req: CommitRequest) -> mmap.mmap:
-        """The writer's own mapping of the slot file, kept while the slot's inode and size stay."""
-        st = os.stat(req.staging_path)
-        key = str(req.slot)
+        # Hashed already (a GPU save): nothing reads it all now, so no page-table pass either.
+        return self.map_slot(str(req.slot), req.staging_path, req.size, populate=req.digests is None)
+
+    def map_slot(self, key: str, path: str, size: int, *, populate: bool) -> mmap.mmap:
+        """The writer's own mapping of a slot file, kept while the slot's inode and size stay."""
+        st = os.stat(path)
         cached = self._maps.get(key)
-        if cached and cached[0] == st.st_ino and cached[1] == req.size:
+        if cached and cached[0] == st.st_ino and cached[1] == size:
             return cached[3]
         if cached:
-            cached[3].close()
-            os.close(cached[2])
-        fd = os.open(req.staging_path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-        # Hashed already (a GPU save): nothing reads it all now, so no page-table pass either.
-        populate = 0 if req.digests is not None else getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, req.size, flags=mmap.MAP_SHARED | populate)
-        self._maps[key] = (st.st_ino, req.size, fd, mm)
+            self._unmap(cached)
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
+        self._maps[key] = (st.st_ino, size, fd, mm)
         return mm
+
+    def _unmap(self, cached: tuple[int, int, int, mmap.mmap]) -> None:
+        if self.on_unmap is not None:
+            self.on_unmap(cached[3])
+        cached[3].close()
+        os.close(cached[2])
 
     def close(self, timeout: float = 600.0) -> None:
         if self.uploader is not None:
             self.uploader.wait_idle(timeout)
-        for _, _, fd, mm in self._maps.values():
-            mm.close()
-            os.close(fd)
+        for cached in self._maps.values():
+            self._unmap(cached)
         self._maps.clear()
         if self.replicator is not None:
             self.replicator.close()

@@ -12,6 +12,7 @@ sends SIGKILL when the parent dies (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import queue
 import signal
@@ -89,6 +90,7 @@ def serve(conn: Connection) -> None:
 
     replicator = threading.Thread(target=replicate, name="incluster-replicate", daemon=True)
     replicator.start()
+    drains = None  # device_drain.DeviceDrains, once the trainer shares a device-side snapshot
     while True:
         try:
             msg = conn.recv()
@@ -96,8 +98,15 @@ def serve(conn: Connection) -> None:
             os._exit(0)  # the trainer is gone
         if msg.kind is Kind.COMMIT:
             own = None
+            req = msg.payload
             try:
-                path, own, persist = service.commit(msg.payload)
+                if req.drain is not None:
+                    if drains is None:
+                        raise RuntimeError("no device-side snapshot was shared with this writer")
+                    digests = drains.run(req)
+                    send(Message(Kind.DRAINED, gen, msg.seq, msg.step))
+                    req = dataclasses.replace(req, drain=None, digests=digests)
+                path, own, persist = service.commit(req)
             except Exception as exc:  # noqa: BLE001
                 send(Message(Kind.ERROR, gen, msg.seq, msg.step, error=str(exc), error_type=type(exc).__name__))
                 replicas.put(partial(exchange, msg.seq, msg.step, None, False))
@@ -115,6 +124,17 @@ def serve(conn: Connection) -> None:
         elif msg.kind is Kind.FAIL:
             service.fail(msg.step, msg.error or "failed")
             replicas.put(partial(exchange, msg.seq, msg.step, None, False))
+        elif msg.kind is Kind.DEVICE_BUFFER:
+            err = None
+            try:
+                if drains is None:
+                    from incluster.writer.device_drain import DeviceDrains
+
+                    drains = DeviceDrains(service)
+                err = drains.open(*msg.payload)
+            except Exception as exc:  # noqa: BLE001 - e.g. CUDA cannot start here
+                err = f"{type(exc).__name__}: {exc}"
+            send(Message(Kind.DEVICE_READY, gen, payload=msg.payload[0], error=err))
         elif msg.kind is Kind.REPLICATE:
             replicas.put(partial(re_replicate, msg.step, msg.payload))
         elif msg.kind is Kind.SHUTDOWN:

@@ -1,0 +1,113 @@
+"""The trainer's side of a drain run by the writer process (``gpu_drain="writer"``).
+
+Why another process: on the H200, any device-to-host copy the training loop makes
+(``loss.item()``, a pinned copy and a stream sync alike) waited for *every* device-to-host
+copy its process had in flight, so a 4.5 GiB drain enqueued by the trainer process
+stretched the step after each save from 17 ms to 88 ms, whatever the drain's stream
+priority or piece size. The same drain enqueued by another process cost the loop 4.5 ms
+in all (``bench/gpu_overlap.py``, ``docs/measured/gpu-h200-overlap-variants.json``).
+
+So the device-side snapshot buffer is shared with the writer process once (CUDA IPC),
+and each save only tells the writer which file ranges of the buffer to copy into the slot
+(the writer has the slot file mapped and page-locked itself); the writer hashes as the
+bytes land, says DRAINED, then commits. The buffer is taken again only once the writer
+has said it is done with it (``wait_free``), or has died.
+
+Until a writer has opened the buffer (the first save after it was made, or after a writer
+restart) the save drains on the trainer's staging thread as before: never a wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from incluster.errors import CheckpointError
+
+log = logging.getLogger("incluster")
+
+
+class RemoteDrain:
+    """Which buffer the current writer has open, and whether it is still reading it."""
+
+    def __init__(self, writer: Callable[[], Any], slots: Callable[[], list[tuple[int, str, int]]]) -> None:
+        self._writer = writer  # the Checkpointer's current writer (a new one after a restart)
+        self._slots = slots  # (index, path, size) of the mapped slot files, for the writer to pin
+        self._lock = threading.Lock()
+        self._free = threading.Event()
+        self._free.set()
+        self._buf: Any = None  # the buffer last offered (kept alive: the writer maps it)
+        self._buf_id = 0
+        self._offered: tuple[int, int] | None = None  # (writer gen, buffer id) sent to a writer
+        self._open: tuple[int, int] | None = None  # (writer gen, buffer id) a writer has open
+        self._said = False
+        self.busy_step: int | None = None
+
+    def offer(self, buf: Any) -> bool:
+        """True if the current writer has ``buf`` open (a drain can go there now); else
+        share it with the writer, in the background, and return False."""
+        writer = self._writer()
+        share = getattr(writer, "share_device_buffer", None)
+        if share is None or getattr(writer, "dead", None) is not None:
+            return False
+        with self._lock:
+            if buf is not self._buf:
+                self._buf, self._buf_id = buf, self._buf_id + 1
+            key = (writer.gen, self._buf_id)
+            if self._open == key:
+                return True
+            if self._offered == key:
+                return False
+            self._offered = key
+        try:
+            share(self._buf_id, buf, self._slots())
+        except Exception as exc:  # noqa: BLE001 - the trainer drains instead
+            self._refused(f"could not be shared: {exc}")
+        return False
+
+    def is_open(self, writer: Any) -> bool:
+        with self._lock:
+            return self._open == (getattr(writer, "gen", None), self._buf_id)
+
+    @property
+    def buf_id(self) -> int:
+        return self._buf_id
+
+    def on_ready(self, gen: int, buf_id: int, error: str | None) -> None:
+        """The writer's answer to an offer (its receiving thread)."""
+        with self._lock:
+            if error is None:
+                self._open = (gen, buf_id)
+                return
+        self._refused(error)
+
+    def _refused(self, why: str) -> None:
+        if not self._said:
+            self._said = True
+            log.warning("incluster: the writer process cannot drain the device-side snapshot (%s); the "
+                        "trainer drains it, so loss.item() right after a save waits for the drain", why)
+
+    def begin(self, step: int) -> None:
+        """A drain of ``step`` is handed to the writer: the buffer is in use until it says."""
+        with self._lock:
+            self.busy_step = step
+            self._free.clear()
+
+    def done(self, step: int) -> None:
+        """The writer finished reading the buffer for ``step`` (it said DRAINED, or the
+        save of ``step`` failed: the writer reports a failed drain only once it stopped
+        reading, and a dead writer reads nothing). Another step's news frees nothing."""
+        with self._lock:
+            if step != self.busy_step:
+                return
+            self.busy_step = None
+        self._free.set()
+
+    def wait_free(self, timeout: float) -> None:
+        """Before a save copies into the buffer again: the writer's previous drain is over."""
+        if not self._free.wait(timeout):
+            raise CheckpointError(
+                f"the writer process has not finished reading step {self.busy_step}'s device-side snapshot "
+                f"after {timeout:.0f} s; is it stopped? (gpu_drain='trainer' keeps the drain in the trainer)"
+            )

@@ -1,0 +1,85 @@
+"""The writer process's side of ``gpu_drain="writer"``: copy the trainer's device-side
+snapshot into the slot file, hashing as the bytes land (see
+:mod:`incluster.staging.remote_drain` for why another process).
+
+The trainer shares its snapshot buffer once (CUDA IPC, torch's own reduction of a CUDA
+tensor); this process opens it, and maps and page-locks the slot files itself, so every
+copy is an asynchronous DMA into memory the trainer reads back through its own mapping
+of the same file. Only imported when a trainer offers a buffer: a CPU job never starts
+CUDA in the writer.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import torch
+
+from incluster.errors import CheckpointError
+from incluster.staging.device_snapshot import drain
+from incluster.writer.local_commit import CommitRequest
+
+
+class DeviceDrains:
+    """The opened buffer, the side stream, and the page-locked slot mappings."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.buf: torch.Tensor | None = None
+        self.buf_id: int | None = None
+        self.device = 0
+        self.stream: Any = None
+        self._pinned: dict[int, torch.Tensor] = {}  # id(mapping) -> its page-locked uint8 view
+        service.on_unmap = self.unpin
+
+    def open(self, buf_id: int, args: tuple[Any, ...], device: int, slots: list[tuple[int, str, int]]) -> str | None:
+        """Open the shared buffer and page-lock the listed slot files; None, or why not."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        try:
+            torch.cuda.set_device(device)
+            self.buf, self.buf_id = None, None  # let go of the old buffer first
+            self.buf = rebuild_cuda_tensor(*args)
+            self.buf_id, self.device = buf_id, device
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device=device)
+            for index, path, size in slots:
+                self.pin(self.service.map_slot(str(index), path, size, populate=False))
+        except Exception as exc:  # noqa: BLE001 - reported; the trainer drains itself then
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def run(self, req: CommitRequest) -> tuple[str, ...]:
+        """Copy the request's runs of the buffer into its slot; the whole file's digests."""
+        buf_id, lo, runs = req.drain  # type: ignore[misc]
+        if self.buf is None or buf_id != self.buf_id:
+            raise CheckpointError(f"step {req.step}: the device-side snapshot {buf_id} is not open in the writer")
+        slot = self.pin(self.service.map_slot(str(req.slot), req.staging_path, req.size, populate=False))
+        try:
+            with torch.cuda.device(self.device):
+                return tuple(drain(self.device, lo, runs, self.buf, slot, self.stream, req.chunk))
+        finally:
+            self.stream.synchronize()  # nothing reads the buffer once we answer
+
+    def pin(self, mm: mmap.mmap) -> torch.Tensor:
+        t = self._pinned.get(id(mm))
+        if t is not None:
+            return t
+        t = torch.frombuffer(mm, dtype=torch.uint8)
+        if t.numel():
+            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+            code = int(getattr(err, "value", err))
+            if code != 0:
+                raise CheckpointError(
+                    f"the writer could not page-lock a {t.numel()}-byte slot (CUDA error {code}); raise the "
+                    f"locked-memory limit (ulimit -l) or use gpu_drain='trainer'"
+                )
+        self._pinned[id(mm)] = t
+        return t
+
+    def unpin(self, mm: mmap.mmap) -> None:
+        """Before the service closes a mapping."""
+        t = self._pinned.pop(id(mm), None)
+        if t is not None and t.numel():
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

@@ -1,0 +1,77 @@
+"""The trainer's bookkeeping for drains run by the writer process (gpu_drain="writer"):
+which writer has which buffer open, and that a buffer is never copied into again while
+a writer may still read it. The CUDA half runs in tests/gpu."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from incluster.errors import CheckpointError
+from incluster.staging.remote_drain import RemoteDrain
+
+
+class FakeWriter:
+    def __init__(self, gen: int) -> None:
+        self.gen = gen
+        self.dead = None
+        self.shared: list[tuple[int, object, list]] = []
+
+    def share_device_buffer(self, buf_id, buf, slots):
+        self.shared.append((buf_id, buf, slots))
+
+
+def _remote(writer):
+    box = {"w": writer}
+    return RemoteDrain(lambda: box["w"], lambda: [(0, "/x", 8)]), box
+
+
+def test_a_buffer_is_used_only_once_the_current_writer_has_it_open():
+    w = FakeWriter(1)
+    r, box = _remote(w)
+    buf = object()
+    assert r.offer(buf) is False and len(w.shared) == 1  # shared, not yet open
+    assert r.offer(buf) is False and len(w.shared) == 1  # not shared twice
+    r.on_ready(1, r.buf_id, None)
+    assert r.offer(buf) is True and r.is_open(w)
+    # a restarted writer has nothing open: shared again, the trainer drains meanwhile
+    box["w"] = w2 = FakeWriter(2)
+    assert r.offer(buf) is False and len(w2.shared) == 1
+    r.on_ready(1, r.buf_id, None)  # a late answer from the dead writer opens nothing
+    assert r.offer(buf) is False
+    r.on_ready(2, r.buf_id, None)
+    assert r.offer(buf) is True
+    # a new buffer (the shard grew) gets a new id and is shared again
+    assert r.offer(object()) is False and w2.shared[-1][0] == r.buf_id == 2
+
+
+def test_a_writer_that_cannot_open_the_buffer_leaves_the_drain_to_the_trainer(caplog):
+    w = FakeWriter(1)
+    r, _ = _remote(w)
+    r.offer(object())
+    r.on_ready(1, r.buf_id, "RuntimeError: no CUDA")
+    assert r.offer(object()) is False
+    assert any("cannot drain" in rec.getMessage() for rec in caplog.records)
+
+
+def test_the_buffer_waits_for_the_drain_of_its_own_step_only():
+    r, _ = _remote(FakeWriter(1))
+    r.begin(5)
+    r.done(4)  # news of another step frees nothing
+    with pytest.raises(CheckpointError, match="step 5"):
+        r.wait_free(0.05)
+    t = threading.Timer(0.1, r.done, args=(5,))
+    t.start()
+    t0 = time.perf_counter()
+    r.wait_free(5)
+    assert 0.05 < time.perf_counter() - t0 < 5
+    r.wait_free(0)  # free stays free
+
+
+def test_a_dead_writer_is_never_offered_the_buffer():
+    w = FakeWriter(1)
+    w.dead = RuntimeError("gone")
+    r, _ = _remote(w)
+    assert r.offer(object()) is False and w.shared == []
