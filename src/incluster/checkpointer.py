@@ -409,6 +409,7 @@ class Checkpointer(SavePipeline):
                 self._writer.close(self.config.slot_timeout_s)
             if not stuck:  # a staging thread still copying keeps its mappings: unmapping would crash it
                 self.ring.close()
+                self._stager.release_device()  # the device-side snapshot's GPU memory goes back
             wiring.release_store(self._store_server, self._store_address, self.config, self.rank, self.world_size)
             self._store_server = None
             self.events.record(ev.END)

@@ -240,3 +240,32 @@ def test_restore_into_gpu_tensors_is_bitwise_and_in_place(local_dir, gpu_snapsho
     assert set(got) == set(expected)
     for k, v in expected.items():
         assert torch.equal(got[k], v), k
+
+
+_SHARE_AND_EXIT = """
+import sys, time, torch, incluster
+m = torch.nn.Linear(1024, 1024).cuda(); o = torch.optim.AdamW(m.parameters())
+m(torch.randn(8, 1024, device="cuda")).sum().backward(); o.step()
+with incluster.Checkpointer(local_dir=sys.argv[1], job="exit", replicas=0) as ck:
+    ck.prepare({"m": m, "o": o}).result(120)
+    t0 = time.monotonic()
+    while not ck.gpu_drain_in_writer and time.monotonic() - t0 < 120:
+        time.sleep(0.05)
+    assert ck.gpu_drain_in_writer
+    ck.save(1, {"m": m, "o": o}).wait()
+print("pid", __import__("os").getpid())
+"""
+
+
+def test_a_process_that_shared_its_snapshot_exits_clean(local_dir):
+    """No warning about shared CUDA memory still held, no driver file left in /dev/shm."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SHARE_AND_EXIT, local_dir], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pid = int(out.stdout.split("pid")[-1])
+    assert "Producer process has been terminated" not in out.stderr
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(f"cuda.shm.{os.getuid()}.{pid:x}.")]
+    assert not left, left

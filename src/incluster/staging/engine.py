@@ -205,6 +205,14 @@ class Stager:
             self.pin = True
             self._devices().plan(layout, tensors, kinds)
 
+    def release_device(self) -> None:
+        """After close(): free the device-side snapshot (the writer has let go of it)."""
+        if self._device is not None and self._device.buf is not None:
+            self._device.buf, self._device._plans, self._device.active = None, {}, False
+            if self.remote is not None:
+                self.remote.forget()
+            torch.cuda.ipc_collect()  # memory the writer process held is freed now, not at exit
+
     def offer_remote(self) -> None:
         """Off the training path: share the device-side snapshot with the writer process
         now, so the next save's drain already runs there."""

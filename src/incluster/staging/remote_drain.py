@@ -19,7 +19,10 @@ restart) the save drains on the trainer's staging thread as before: never a wait
 
 from __future__ import annotations
 
+import atexit
+import glob
 import logging
+import os
 import threading
 from typing import Any, Callable
 
@@ -64,7 +67,13 @@ class RemoteDrain:
             share(self._buf_id, buf, self._slots())
         except Exception as exc:  # noqa: BLE001 - the trainer drains instead
             self._refused(f"could not be shared: {exc}")
+        _remove_ipc_files_at_exit()
         return False
+
+    def forget(self) -> None:
+        """The buffer is freed (the Checkpointer closed)."""
+        with self._lock:
+            self._buf, self._open, self._offered = None, None, None
 
     def is_open(self, writer: Any) -> bool:
         with self._lock:
@@ -111,3 +120,26 @@ class RemoteDrain:
                 f"the writer process has not finished reading step {self.busy_step}'s device-side snapshot "
                 f"after {timeout:.0f} s; is it stopped? (gpu_drain='trainer' keeps the drain in the trainer)"
             )
+
+
+_cleanup_registered = False
+
+
+def _remove_ipc_files_at_exit() -> None:
+    """The CUDA driver keeps a file per process that shared device memory in /dev/shm
+    (``cuda.shm.<uid>.<pid in hex>.<n>``, seen on the H200 machine) and leaves it there
+    when the process ends; ours go when this process exits, when nothing can use them."""
+    global _cleanup_registered
+    if _cleanup_registered:
+        return
+    _cleanup_registered = True
+    pattern = f"/dev/shm/cuda.shm.{os.getuid()}.{os.getpid():x}.*"
+
+    def remove() -> None:
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    atexit.register(remove)

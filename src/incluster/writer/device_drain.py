@@ -78,6 +78,18 @@ class DeviceDrains:
         self._pinned[id(mm)] = t
         return t
 
+    def close(self) -> None:
+        """Let go of the shared buffer (the trainer's process then frees it without a
+        warning at exit) and of every page-locked mapping."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.buf, self.buf_id = None, None
+        for t in list(self._pinned.values()):
+            if t.numel():
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self._pinned.clear()
+        torch.cuda.ipc_collect()
+
     def unpin(self, mm: mmap.mmap) -> None:
         """Before the service closes a mapping."""
         t = self._pinned.pop(id(mm), None)

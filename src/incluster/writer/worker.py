@@ -142,6 +142,11 @@ def serve(conn: Connection) -> None:
             replicator.join(msg.payload or None)
             outcomes.put(None)
             watcher.join(msg.payload or None)
+            if drains is not None:
+                try:
+                    drains.close()
+                except Exception as exc:  # noqa: BLE001 - exiting anyway
+                    print(f"incluster writer: releasing the device-side snapshot: {exc}", file=sys.stderr)
             service.close(msg.payload or 600.0)
             send(Message(Kind.BYE, gen))
             return
