@@ -44,10 +44,13 @@ class DeviceDrains:
             self.buf_id, self.device = buf_id, device
             if self.stream is None:
                 self.stream = torch.cuda.Stream(device=device)
-            for index, path, size in slots:
-                self.pin(self.service.map_slot(str(index), path, size, populate=False))
         except Exception as exc:  # noqa: BLE001 - reported; the trainer drains itself then
             return f"{type(exc).__name__}: {exc}"
+        for index, path, size in slots:  # ahead of time only: a drain pins what is missing
+            try:
+                self.pin(self.service.map_slot(str(index), path, size, populate=False))
+            except (OSError, CheckpointError):
+                pass  # e.g. the slot was renamed by a commit meanwhile
         return None
 
     def run(self, req: CommitRequest) -> tuple[str, ...]:
