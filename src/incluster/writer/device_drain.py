@@ -49,8 +49,11 @@ class DeviceDrains:
         for index, path, size in slots:  # ahead of time only: a drain pins what is missing
             try:
                 self.pin(self.service.map_slot(str(index), path, size, populate=False))
-            except (OSError, CheckpointError):
-                pass  # e.g. the slot was renamed by a commit meanwhile
+            except OSError:
+                pass  # the slot was renamed by a commit meanwhile
+            except CheckpointError as exc:  # page-locking refused (ulimit -l): the trainer drains
+                self.buf, self.buf_id = None, None
+                return str(exc)
         return None
 
     def run(self, req: CommitRequest) -> tuple[str, ...]:
