@@ -123,6 +123,10 @@ class DeviceSnapshots:
         self.active = True
         return plan
 
+    def free(self) -> None:
+        """Give the buffer's device memory back (the Checkpointer closed)."""
+        self.buf, self._plans, self.active = None, {}, False
+
     def _room(self, dev: int, need: int) -> bool:
         """Make the buffer at least ``need`` bytes on ``dev`` if the budget allows."""
         if self.buf is not None and self.buf.device.index == dev and self.buf.numel() >= need:

@@ -208,7 +208,7 @@ class Stager:
     def release_device(self) -> None:
         """After close(): free the device-side snapshot (the writer has let go of it)."""
         if self._device is not None and self._device.buf is not None:
-            self._device.buf, self._device._plans, self._device.active = None, {}, False
+            self._device.free()
             if self.remote is not None:
                 self.remote.forget()
             torch.cuda.ipc_collect()  # memory the writer process held is freed now, not at exit

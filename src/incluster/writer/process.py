@@ -181,11 +181,13 @@ class ProcessWriter:
                 if self._on_persisted is not None:
                     self._on_persisted(msg.step, msg.error)
                 continue
-            if msg.kind in (Kind.DEVICE_READY, Kind.DRAINED):
+            if msg.kind in (Kind.DRAINED, Kind.DEVICE_READY):  # for the trainer's RemoteDrain
                 listener = self.drain_listener
-                if listener is not None and msg.kind is Kind.DRAINED:
+                if listener is None:
+                    continue
+                if msg.kind is Kind.DRAINED:
                     listener.done(msg.step)
-                elif listener is not None:
+                else:
                     listener.on_ready(self.gen, msg.payload, msg.error)
                 continue
             with self._lock:
