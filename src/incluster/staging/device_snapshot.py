@@ -186,11 +186,13 @@ def snap(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any, start: Any) -
 
 def drain(
     device: int, lo: int, runs: Sequence[tuple[int, int]], buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any,
-    chunk: int,
+    chunk: int, copied: Any = None,
 ) -> list[str]:
     """Copy every run (file ranges; the buffer starts at file offset ``lo``) to the slot
     in ``PIECE``-byte copies, at most ``WINDOW`` in flight, and hash each ``chunk`` of the file as soon as the copies have passed it; returns the
     digests of the whole file (the header and bytes outside the runs must be in already).
+    ``copied()`` is called once every copy has landed, before the last hashes finish: the
+    buffer may be written again from then on.
 
     The pieces exist so hashing can start while the drain goes on. (They do not spare a
     training loop's ``loss.item()`` the wait for a drain its own process enqueued:
@@ -223,4 +225,6 @@ def drain(
         done_to, ev = flight.popleft()
         ev.synchronize()
     advance(size)
+    if copied is not None:
+        copied()
     return [f.result() for f in futures]

@@ -56,15 +56,17 @@ class DeviceDrains:
                 return str(exc)
         return None
 
-    def run(self, req: CommitRequest) -> tuple[str, ...]:
-        """Copy the request's runs of the buffer into its slot; the whole file's digests."""
+    def run(self, req: CommitRequest, copied: Any = None) -> tuple[str, ...]:
+        """Copy the request's runs of the buffer into its slot; the whole file's digests.
+        ``copied()`` runs once the buffer is read (the hashing of the last chunks goes on):
+        the trainer may then write its next snapshot while this one is still hashed."""
         buf_id, lo, runs = req.drain  # type: ignore[misc]
         if self.buf is None or buf_id != self.buf_id:
             raise CheckpointError(f"step {req.step}: the device-side snapshot {buf_id} is not open in the writer")
         slot = self.pin(self.service.map_slot(str(req.slot), req.staging_path, req.size, populate=False))
         try:
             with torch.cuda.device(self.device):
-                return tuple(drain(self.device, lo, runs, self.buf, slot, self.stream, req.chunk))
+                return tuple(drain(self.device, lo, runs, self.buf, slot, self.stream, req.chunk, copied))
         finally:
             self.stream.synchronize()  # nothing reads the buffer once we answer
 

@@ -103,8 +103,8 @@ def serve(conn: Connection) -> None:
                 if req.drain is not None:
                     if drains is None:
                         raise RuntimeError("no device-side snapshot was shared with this writer")
-                    digests = drains.run(req)
-                    send(Message(Kind.DRAINED, gen, msg.seq, msg.step))
+                    # DRAINED as soon as the buffer is read, before the last hashes finish
+                    digests = drains.run(req, partial(send, Message(Kind.DRAINED, gen, msg.seq, msg.step)))
                     req = dataclasses.replace(req, drain=None, digests=digests)
                 path, own, persist = service.commit(req)
             except Exception as exc:  # noqa: BLE001
