@@ -341,6 +341,7 @@ class Checkpointer(SavePipeline):
             allow_pickle=self.config.allow_pickle,
             timeout_s=self.config.slot_timeout_s,
             persistent=wiring.persistent_tier(self.config),
+            rank_state=self.config.reshard_rank_state,
         )
         report = restore(ctx, state)
         self.last_restore = report
@@ -356,7 +357,8 @@ class Checkpointer(SavePipeline):
         if report.step is not None:
             self.ring.reset_to(report.step)
             self._highest = report.step
-            replicate = bool(self.replica_targets or self.world_size > 1)
+            # A resharded step has no copy in this world's layout to replicate: the next save makes one.
+            replicate = bool(self.replica_targets or self.world_size > 1) and report.source != "reshard"
             if heal is not None:
                 # The received copy is verified and in place; writing it into this node's
                 # RAM disk overlaps the next forward/backward, behind the pre-step hook.

@@ -61,6 +61,12 @@ class Config:
     through CUDA IPC: the training loop's own device-to-host copies, e.g. ``loss.item()``,
     never queue behind it) or "trainer" (a thread of the training process). "writer"
     needs writer="process"; otherwise the trainer drains."""
+    reshard_rank_state: str = "same-rank"
+    """A restore into a different world size: where each new rank's own values (those not
+    cut by DTensor placements: plain tensors, data-loader position, RNG) come from.
+    "same-rank": the old rank of the same number (a rank beyond the old world takes old
+    rank ``rank % old_world``, and says so); "rank0": old rank 0 for every rank;
+    "refuse": no restore into a different world size."""
     writer: str = "process"
     """Where commits run: "process" (a writer process per rank, no GIL contention with
     the trainer) or "thread" (a background thread; no extra process)."""
@@ -88,6 +94,10 @@ class Config:
             raise ValueError(f"gpu_snapshot must be None (automatic), 0 (off) or a number of bytes (got {self.gpu_snapshot!r})")
         if self.gpu_drain not in ("writer", "trainer"):
             raise ValueError(f'gpu_drain must be "writer" or "trainer" (got {self.gpu_drain!r})')
+        if self.reshard_rank_state not in ("same-rank", "rank0", "refuse"):
+            raise ValueError(
+                f'reshard_rank_state must be "same-rank", "rank0" or "refuse" (got {self.reshard_rank_state!r})'
+            )
         if self.writer not in ("process", "thread"):
             raise ValueError(f'writer must be "process" or "thread" (got {self.writer!r})')
         if not self.node or "/" in self.node:
@@ -108,6 +118,7 @@ def resolve(
     writer: str = "process",
     gpu_snapshot: int | None = None,
     gpu_drain: str = "writer",
+    reshard_rank_state: str = "same-rank",
     persistent: Any = None,
     persistent_every: int = 10,
     persistent_interval_s: float | None = None,
@@ -130,6 +141,7 @@ def resolve(
         writer=writer,
         gpu_snapshot=gpu_snapshot,
         gpu_drain=gpu_drain,
+        reshard_rank_state=reshard_rank_state,
         persistent=_persistent_url(persistent if persistent is not None else env.get("INCLUSTER_PERSISTENT")),
         persistent_every=persistent_every,
         persistent_interval_s=persistent_interval_s,

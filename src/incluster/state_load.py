@@ -33,6 +33,7 @@ class _Loader:
         self.allow_pickle = allow_pickle
         self.placed = placed or {}  # name -> memory that already holds its stored bytes
         self.collect = collect  # dry walk: record name -> live tensor, change nothing
+        self.dtensors: dict[str, tuple[Any, str]] | None = None  # name -> (live DTensor, path)
 
     def value(self, node: Any, live: Any, path: str) -> Any:
         """Rebuild ``node``; tensors are copied into ``live`` in place when it fits."""
@@ -46,6 +47,10 @@ class _Loader:
         if "T" in node:
             return self.tensor(node["T"], live, path)
         if "D" in node:
+            if self.dtensors is not None:  # only looking for the live DTensors
+                if dtensor.is_dtensor(live):
+                    self.dtensors[node["D"]] = (live, path)
+                return live
             dtensor.check_compatible(live, node, path)
             self.tensor(node["D"], dtensor.local_of(live), path)
             return live
@@ -203,6 +208,21 @@ def live_targets(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = Fa
             if key in state:
                 loader.value(node, state[key], escape_part(key))
     return loader.collect or {}
+
+
+def live_dtensors(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = False) -> dict[str, tuple[Any, str]]:
+    """The live DTensor (and its path) each stored DTensor shard of ``tree`` belongs to;
+    like :func:`live_targets`, a dry walk. A name whose live value is not a DTensor is
+    absent."""
+    _check_tree(state, tree)
+    loader = _Loader(lambda name: torch.empty(0), allow_pickle, collect={})
+    loader.dtensors = {}
+    with torch.no_grad():
+        init_lazy_optimizers(state, tree)
+        for key, node in tree["d"]:
+            if key in state:
+                loader.value(node, state[key], escape_part(key))
+    return loader.dtensors
 
 
 def load_into(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 from incluster.errors import CheckpointError, CorruptCheckpointError
@@ -16,9 +17,10 @@ from incluster.tiers.local import ShardReader, committed_steps, rank_folder
 log = logging.getLogger("incluster")
 
 
-def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int]]:
-    """(owner rank, step, bytes) for every committed shard in this node's folder (names
-    and sizes only; nothing is read)."""
+def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int]]:
+    """(owner rank, step, bytes, world size) for every committed shard in this node's
+    folder: names, sizes and the head of each sidecar (world size -1 where it cannot be
+    read: the copy is then tried, and judged, like any other)."""
     base = os.path.join(local_dir, job)
     try:
         names = os.listdir(base)
@@ -30,10 +32,25 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int]]:
             folder = os.path.join(base, n)
             for step in committed_steps(folder):
                 try:
-                    out.append((int(n[5:]), step, os.stat(os.path.join(folder, step_file(step))).st_size))
+                    size = os.stat(os.path.join(folder, step_file(step))).st_size
                 except FileNotFoundError:
                     continue  # a sidecar without its shard: not a copy
+                out.append((int(n[5:]), step, size, _saved_world(os.path.join(folder, sidecar_file(step)))))
     return out
+
+
+_WORLD = re.compile(rb'"world_size":(\d{1,9})[,}]')
+
+
+def _saved_world(path: str) -> int:
+    """The world size a sidecar records, from its first bytes (the writer puts the identity
+    first); -1 if it is not there."""
+    try:
+        with open(path, "rb") as f:
+            m = _WORLD.search(f.read(4096))
+    except OSError:
+        return -1
+    return int(m.group(1)) if m else -1
 
 
 def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:

@@ -1,10 +1,16 @@
 """Restore planning: pure, deterministic functions over who holds what. No I/O.
 
 Input: the job's topology (node of every current rank) and, per node, the (owner rank,
-step) shards its RAM folder holds. Output: the newest step every rank 0..W-1 can be
-restored from (a copy on some current node), and for each rank where its shard comes
-from: its own node, or a rank on a node that holds a copy, chosen to spread bytes over
-the holders. Copies found bad are excluded and the plan is made again.
+step, bytes, world size it was saved by) shards its RAM folder holds. Output: the newest
+step of which some node holds a copy of every shard (ranks 0..W-1 of the world that saved
+it), and for each rank where its shard comes from: its own node, or a rank on a node that
+holds a copy, chosen to spread bytes over the holders. Copies found bad are excluded and
+the plan is made again.
+
+A step saved by a different world size is restored by resharding
+(:mod:`incluster.recovery.reshard`): each old shard gets one current rank on a node that
+holds it (its server), preferring the rank of the same number; every rank then computes
+which pieces it needs from which server itself.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from typing import Iterable, Mapping
 
 from incluster.topology import Topology
 
-Holdings = Mapping[str, Iterable[tuple[int, ...]]]  # node -> {(owner, step[, size])}
+Holdings = Mapping[str, Iterable[tuple[int, ...]]]  # node -> {(owner, step[, size[, world]])}
+ANY_WORLD = -1  # a copy whose world size is unknown (its sidecar unread): counted for any
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class RankPlan:
     persistent: dict | None = None  # type: ignore[type-arg]  # restore from tier 2: my manifest record
     size: int | None = None  # bytes I will receive (so I can prepare the slot early)
     transfers: bool = True  # some rank receives its shard from a peer in this plan
+    world: int | None = None  # the step was saved by this many ranks (not ours): reshard
 
 
 @dataclass
@@ -36,53 +44,72 @@ class Plan:
     step: int | None
     ranks: list[RankPlan]
     missing: dict[int, list[int]] = field(default_factory=dict)  # newest steps -> owners lacking
+    world: int | None = None  # the chosen step's world size
+    server_of: list[int] = field(default_factory=list)  # reshard: old rank -> current rank reading it
 
 
-def index_holders(holdings: Holdings, topo: Topology, exclude: set[tuple[str, int, int]] = frozenset()) -> dict[tuple[int, int], list[str]]:  # type: ignore[assignment]
-    """(owner, step) -> nodes holding it, in group order, only nodes of this job."""
+Holders = Mapping[tuple[int, int], list[tuple[str, int]]]  # (owner, step) -> [(node, world)]
+
+
+def index_holders(holdings: Holdings, topo: Topology, exclude: set[tuple[str, int, int]] = frozenset()) -> dict[tuple[int, int], list[tuple[str, int]]]:  # type: ignore[assignment]
+    """(owner, step) -> (node, saved world size) of every copy, in group order, only nodes
+    of this job."""
     live = set(topo.nodes)
     order = {n: i for i, n in enumerate(topo.nodes)}
-    holders: dict[tuple[int, int], list[str]] = defaultdict(list)
+    holders: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
     for node, items in holdings.items():
         if node not in live:
             continue
         for item in set(items):
             owner, step = item[0], item[1]
-            if 0 <= owner < topo.world_size and (node, owner, step) not in exclude:
-                holders[(owner, step)].append(node)
+            world = item[3] if len(item) > 3 else ANY_WORLD
+            if owner >= 0 and (node, owner, step) not in exclude:
+                holders[(owner, step)].append((node, world))
     for nodes in holders.values():
-        nodes.sort(key=order.__getitem__)
+        nodes.sort(key=lambda h: order[h[0]])
     return holders
 
 
-def choose_step(holders: Mapping[tuple[int, int], list[str]], world: int) -> tuple[int | None, dict[int, list[int]]]:
-    """Newest step with a copy of every rank's shard; and, for newer steps, who lacks one."""
-    per_step: dict[int, set[int]] = defaultdict(set)
-    for owner, step in holders:
-        per_step[step].add(owner)
+def nodes_of(holders: Holders, owner: int, step: int, world: int) -> list[str]:
+    """Nodes holding a copy of ``owner``'s shard of ``step`` saved by ``world`` ranks."""
+    return [n for n, w in holders.get((owner, step), ()) if w in (world, ANY_WORLD)]
+
+
+def choose_step(holders: Holders, world: int) -> tuple[int | None, int | None, dict[int, list[int]]]:
+    """Newest step with a copy of every shard of the world that saved it (this job's
+    world size preferred); that world size; and, for newer steps, which of this world's
+    ranks lack a copy."""
+    per_step: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+    for (owner, step), copies in holders.items():
+        for _, w in copies:
+            per_step[step][w].add(owner)
     missing: dict[int, list[int]] = {}
     for step in sorted(per_step, reverse=True):
-        owners = per_step[step]
-        if len(owners) == world:
-            return step, missing
-        missing[step] = sorted(set(range(world)) - owners)
-    return None, missing
+        by_world = per_step[step]
+        unknown = by_world.get(ANY_WORLD, set())
+        for w in [world] + sorted((w for w in by_world if w > 0 and w != world), reverse=True):
+            if len({o for o in by_world.get(w, set()) | unknown if o < w}) == w:
+                return step, w, missing
+        missing[step] = sorted(set(range(world)) - by_world.get(world, set()) - unknown)
+    return None, None, missing
 
 
 def make_plan(topo: Topology, holdings: Holdings, exclude: set[tuple[str, int, int]] | None = None) -> Plan:
     """The restore plan for every rank (identical input gives an identical plan)."""
     holders = index_holders(holdings, topo, exclude or set())
-    step, missing = choose_step(holders, topo.world_size)
-    if step is None:
+    step, world, missing = choose_step(holders, topo.world_size)
+    if step is None or world is None:
         return Plan(None, [RankPlan(None) for _ in range(topo.world_size)], missing)
     ranks_on = defaultdict(list)
     for r, n in enumerate(topo.node_of):
         ranks_on[n].append(r)
+    if world != topo.world_size:
+        return _reshard_plan(topo, holders, step, world, ranks_on, missing)
     load: dict[int, int] = defaultdict(int)  # shards each rank sends
     source: list[int | None] = [None] * topo.world_size
     sends: dict[int, list[int]] = defaultdict(list)
     for r in range(topo.world_size):
-        nodes = holders[(r, step)]
+        nodes = nodes_of(holders, r, step, world)
         if topo.node_of[r] in nodes:
             continue  # my own node has my shard
         candidates = [s for n in nodes for s in ranks_on[n]]
@@ -103,4 +130,23 @@ def make_plan(topo: Topology, holdings: Holdings, exclude: set[tuple[str, int, i
         )
         for r in range(topo.world_size)
     ]
-    return Plan(step, ranks, missing)
+    return Plan(step, ranks, missing, world)
+
+
+def _reshard_plan(
+    topo: Topology, holders: Holders, step: int, world: int, ranks_on: Mapping[str, list[int]], missing: dict[int, list[int]]
+) -> Plan:
+    """One server per old shard: the rank of the same number where its node holds a copy,
+    else the least loaded rank on a node that does. O(old world x ranks per node)."""
+    load: dict[int, int] = defaultdict(int)
+    server_of = []
+    for o in range(world):
+        nodes = nodes_of(holders, o, step, world)
+        if o < topo.world_size and topo.node_of[o] in nodes:
+            s = o
+        else:
+            s = min((c for n in nodes for c in ranks_on[n]), key=lambda c: (load[c], c))
+        load[s] += 1
+        server_of.append(s)
+    ranks = [RankPlan(step, None, (), None, world=world) for _ in range(topo.world_size)]
+    return Plan(step, ranks, missing, world, server_of)

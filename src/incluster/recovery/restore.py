@@ -39,6 +39,8 @@ from incluster.recovery.gather import device_for_collectives, gather_to_zero, sc
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing
 from incluster.recovery.plan import RankPlan, make_plan
+from incluster.recovery.reshard import Reshard
+from incluster.recovery.reshard_pieces import Maps
 from incluster.recovery.transfer import Incoming, Outgoing, exchange
 from incluster.staging.slots import SlotRing
 from incluster.state_load import load_into
@@ -57,7 +59,7 @@ class RestoreReport:
     rank: int
     node: str
     step: int | None
-    source: str = "none"  # "local", "peer" or "none"
+    source: str = "none"  # "local", "peer", "persistent", "reshard" or "none"
     source_rank: int | None = None
     source_node: str | None = None
     bytes: int = 0
@@ -68,7 +70,12 @@ class RestoreReport:
     def line(self) -> str:
         if self.step is None:
             return f"incluster restore: rank {self.rank} on {self.node}: nothing to restore"
-        src = "its own node's RAM" if self.source == "local" else f"rank {self.source_rank} on node {self.source_node}"
+        if self.source == "reshard":
+            src = "the cluster's RAM, resharded"
+        elif self.source == "local":
+            src = "its own node's RAM"
+        else:
+            src = f"rank {self.source_rank} on node {self.source_node}"
         extra = f"; {'; '.join(self.notes)}" if self.notes else ""
         return (
             f"incluster restore: rank {self.rank} on {self.node}: step {self.step} from {src}, "
@@ -93,6 +100,7 @@ class Context:
     allow_pickle: bool
     timeout_s: float
     persistent: Any = None  # a FsspecTier, or None
+    rank_state: str = "same-rank"  # reshard_rank_state: a restore into another world size
     heal: Any = None  # out: a received copy (transfer.Received) whose heal is left to the caller
 
 
@@ -138,7 +146,8 @@ class _Run:
         gathered = gather_to_zero(mine_inv, ctx.rank, ctx.world_size) if dist is not None else [mine_inv]
         for round_ in range(1, MAX_ROUNDS + 1):
             report.rounds = round_
-            mine = _plan_round(ctx, gathered, self.exclude, self.extra)
+            shared: dict[str, Any] = {}
+            mine = _plan_round(ctx, gathered, self.exclude, self.extra, shared)
             if isinstance(mine, str):
                 raise NoCheckpointError(mine)
             if self.loaded is not None and mine.step != self.loaded:
@@ -149,6 +158,17 @@ class _Run:
                 return
             ctx.ring.reset_to(mine.step)
             abandon_newer(ctx.local_dir, ctx.job, mine.step, ctx.ring)
+            if mine.world is not None and mine.world != ctx.world_size:
+                self.dirty, self.loaded = self.dirty or self.loaded is not None, None
+                rs = Reshard(ctx, self.state, mine.step, _maps(ctx, mine.world, shared), report)
+                try:
+                    if rs.run(self._collect):
+                        continue
+                finally:
+                    self.dirty = self.dirty or rs.dirty
+                report.source = "reshard"
+                ctx.ring.set_global(mine.step)
+                return
             if mine.persistent is not None:
                 problem = None if self.loaded == mine.step else download(ctx, mine.step, mine.persistent)
                 if problem is not None:
@@ -304,11 +324,30 @@ def _reports_for_node() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def _maps(ctx: Context, old_world: int, shared: dict[str, Any]) -> Maps:
+    """Every rank gets rank 0's resharding plan: the server of each old shard and the node
+    of each rank (one broadcast of O(W) integers)."""
+    dist = _dist()
+    vals = shared.get("maps")
+    if dist is not None:
+        t = torch.zeros(old_world + ctx.world_size, dtype=torch.int64, device=device_for_collectives())
+        if ctx.rank == 0:
+            t.copy_(torch.tensor(vals, dtype=torch.int64))
+        dist.broadcast(t, 0)
+        vals = t.cpu().tolist()
+    server_of, node_of = vals[:old_world], vals[old_world:]  # type: ignore[index]
+    if len(server_of) != old_world or not all(0 <= s < ctx.world_size for s in server_of):
+        raise CheckpointError("rank 0 sent a resharding plan this rank cannot read; please report this")
+    return Maps(server_of, node_of)
+
+
 def _plan_round(
-    ctx: Context, gathered: list[Any] | None, exclude: set[tuple[str, int, int]], extra: list[Any] = ()  # type: ignore[assignment]
+    ctx: Context, gathered: list[Any] | None, exclude: set[tuple[str, int, int]], extra: list[Any] = (),  # type: ignore[assignment]
+    shared: dict[str, Any] | None = None,
 ) -> RankPlan | str:
     """Rank 0 plans from every node's inventory (plus copies healed in earlier rounds) and
-    scatters each rank only its own instructions."""
+    scatters each rank only its own instructions (a resharding plan's shared part is left
+    in ``shared`` for :func:`_maps`)."""
     dist = _dist()
     plans: list[Any] | None = None
     if gathered is not None:
@@ -343,6 +382,8 @@ def _plan_round(
             plans = [msg] * ctx.world_size
         else:
             plans = list(plan.ranks)
+            if plan.world is not None and plan.world != ctx.world_size and shared is not None:
+                shared["maps"] = list(plan.server_of) + [topo.node_index(n) for n in topo.node_of]
     if dist is None:
         return plans[0] if plans else RankPlan(None)
     wire = None if plans is None else [p if isinstance(p, str) else dataclasses.asdict(p) for p in plans]

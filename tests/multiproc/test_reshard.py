@@ -1,0 +1,67 @@
+"""Elastic restore: an FSDP2 job restarted with a different world size restores the
+newest step from the cluster's RAM, resharded, bitwise, and trains on."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from incluster.testing.launch import launch
+
+pytestmark = pytest.mark.multiproc
+SCRIPT = os.path.join(os.path.dirname(__file__), "reshard_script.py")
+
+
+def _run(local_dir: str, out: str, phase: str, nodes: list[str]) -> list[dict]:
+    job = launch([SCRIPT, out, phase], nodes=nodes, ranks_per_node=1, base_dir=local_dir)
+    codes = job.wait(180)
+    assert codes == [0] * len(nodes), [job.output(r)[-3000:] for r in range(len(nodes))]
+    return [json.load(open(os.path.join(out, f"result-{phase}-r{r}.json"))) for r in range(len(nodes))]
+
+
+def _same_full_state(out: str) -> None:
+    saved = torch.load(os.path.join(out, "full-save.pt"))
+    loaded = torch.load(os.path.join(out, "full-load.pt"))
+    assert sorted(saved) == sorted(loaded)
+    for k in saved:
+        assert saved[k].dtype == loaded[k].dtype and torch.equal(saved[k], loaded[k]), f"{k} differs"
+
+
+def _shard(local_dir: str, node: str, owner: int, step: int) -> str:
+    return os.path.join(local_dir, node, "reshard", f"rank-{owner:05d}", f"step-{step:012d}.safetensors")
+
+
+def test_four_ranks_lose_a_node_and_go_on_with_three(local_dir):
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    _run(local_dir, out, "save", ["n0", "n1", "n2", "n3"])
+    shutil.rmtree(os.path.join(local_dir, "n3"))  # the node is gone and there is no spare
+    # and old rank 1's own copy went bad in n1's RAM: its replica on n2 must be used
+    path = _shard(local_dir, "n1", 1, 3)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 8)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    res = _run(local_dir, out, "load", ["n0", "n1", "n2"])
+    _same_full_state(out)
+    assert [r["loaded"] for r in res] == [3, 3, 3] and {r["source"] for r in res} == {"reshard"}, res
+    assert [r["position"] for r in res] == [1000, 1001, 1002], res  # each rank's own values: same number
+    assert all(r["step4"] == "durable" for r in res)
+    assert any("failed verification" in n for r in res for n in r["notes"]), res
+
+
+def test_two_ranks_grow_to_four(local_dir):
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    _run(local_dir, out, "save", ["n0", "n1"])
+    res = _run(local_dir, out, "load", ["n0", "n1", "n2", "n3"])
+    _same_full_state(out)
+    assert [r["loaded"] for r in res] == [3] * 4 and {r["source"] for r in res} == {"reshard"}, res
+    # ranks beyond the old world take old rank (rank % 2)'s own values, and say so
+    assert [r["position"] for r in res] == [1000, 1001, 1000, 1001], res
+    assert all(r["step4"] == "durable" for r in res)
