@@ -6,6 +6,7 @@
 DTensor gathered) to OUT_DIR/full-save.pt. ``load``: build the same model at this world
 size, load, write the full state to OUT_DIR/full-load.pt, then train one step and save
 step 4 (training goes on at the new size). Each rank writes OUT_DIR/result-PHASE-rR.json.
+With RESHARD_PERSISTENT=DIR every save also goes to that persistent folder.
 """
 
 from __future__ import annotations
@@ -58,12 +59,16 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optim = build(world)
     state = {"model": model, "optim": optim, "loader": {"position": 1000 + rank}}
-    ck = incluster.Checkpointer(job="reshard", replicas=1, slot_timeout_s=60)
+    tier = os.environ.get("RESHARD_PERSISTENT")  # a folder: every save also goes there
+    ck = incluster.Checkpointer(job="reshard", replicas=1, slot_timeout_s=60, persistent=tier, persistent_every=1)
     res: dict = {"world": world}
     try:
         if phase == "save":
             train(model, optim, 3, rank, seed=1)
-            ck.save(3, state).wait(120)
+            handle = ck.save(3, state)
+            handle.wait(120)
+            if tier:
+                handle.persisted.result(120)
             full = full_state(model, optim)
             name = "full-save.pt"
         else:

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.multiproc
 SCRIPT = os.path.join(os.path.dirname(__file__), "reshard_script.py")
 
 
-def _run(local_dir: str, out: str, phase: str, nodes: list[str]) -> list[dict]:
-    job = launch([SCRIPT, out, phase], nodes=nodes, ranks_per_node=1, base_dir=local_dir)
+def _run(local_dir: str, out: str, phase: str, nodes: list[str], env: dict | None = None) -> list[dict]:
+    job = launch([SCRIPT, out, phase], nodes=nodes, ranks_per_node=1, base_dir=local_dir, env=env)
     codes = job.wait(180)
     assert codes == [0] * len(nodes), [job.output(r)[-3000:] for r in range(len(nodes))]
     return [json.load(open(os.path.join(out, f"result-{phase}-r{r}.json"))) for r in range(len(nodes))]
@@ -64,4 +64,18 @@ def test_two_ranks_grow_to_four(local_dir):
     assert [r["loaded"] for r in res] == [3] * 4 and {r["source"] for r in res} == {"reshard"}, res
     # ranks beyond the old world take old rank (rank % 2)'s own values, and say so
     assert [r["position"] for r in res] == [1000, 1001, 1000, 1001], res
+    assert all(r["step4"] == "durable" for r in res)
+
+
+def test_every_node_lost_three_ranks_reshard_from_the_persistent_tier(local_dir):
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    env = {"RESHARD_PERSISTENT": os.path.join(local_dir, "persistent")}
+    _run(local_dir, out, "save", ["n0", "n1", "n2", "n3"], env)
+    for n in ("n0", "n1", "n2", "n3"):
+        shutil.rmtree(os.path.join(local_dir, n))  # every node's RAM is gone
+    res = _run(local_dir, out, "load", ["m0", "m1", "m2"], env)
+    _same_full_state(out)
+    assert [r["loaded"] for r in res] == [3, 3, 3] and {r["source"] for r in res} == {"reshard"}, res
+    assert all("old shards fetched from the persistent tier" in r["notes"] for r in res), res
     assert all(r["step4"] == "durable" for r in res)

@@ -9,7 +9,9 @@ exactly as any torchrun job, one command per node:
 Each node keeps checkpoints in its RAM disk (INCLUSTER_LOCAL_DIR, default
 /dev/shm/incluster) with a replica on the next node; every Nth also goes to --persistent.
 After any restart (same nodes, a spare in a failed node's place, ranks moved) it resumes
-from the newest step the cluster still holds. `incluster demo` runs it on one machine.
+from the newest step the cluster still holds. With --fsdp the parameters and optimizer
+state are sharded (FSDP2) instead of replicated (DDP); either way a restart on fewer or
+more ranks restores the same step, resharded. `incluster demo` runs it on one machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import incluster
@@ -57,15 +62,35 @@ def batch(step: int, rank: int, size: int, context: int, device: torch.device) -
     return ((start + stride * torch.arange(context + 1)) % 256).to(device)
 
 
+def _full(v: torch.Tensor) -> bytes:
+    """A value's bytes as a whole; a sharded (DTensor) value is gathered (a collective)."""
+    if isinstance(v, DTensor):
+        v = v.full_tensor()
+    return v.detach().cpu().contiguous().numpy().tobytes()
+
+
 def digest(state: dict) -> str:
-    """A checksum of the model and optimizer state, to show a restore is bitwise."""
+    """A checksum of the whole model and optimizer state, to show a restore is bitwise.
+    It does not depend on the world size; with --fsdp every rank must call it."""
     h = hashlib.sha256()
     for k, v in sorted(state["model"].state_dict().items()):
-        h.update(k.encode() + v.detach().cpu().contiguous().numpy().tobytes())
+        h.update(k.encode() + _full(v))
     for pid, s in sorted(state["optim"].state_dict()["state"].items()):
         for k, v in sorted(s.items()):
-            h.update(f"{pid}/{k}".encode() + v.detach().cpu().contiguous().numpy().tobytes())
+            h.update(f"{pid}/{k}".encode() + _full(v))
     return h.hexdigest()[:16]
+
+
+def parallelize(model: TinyGPT, fsdp: bool, device: torch.device) -> nn.Module:
+    """DDP (a full replica on every rank) or FSDP2 (each block, then the rest, sharded
+    over all ranks); returns the module to call."""
+    if not fsdp:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def main() -> None:
@@ -81,6 +106,7 @@ def main() -> None:
     p.add_argument("--run-dir", default=os.environ.get("INCLUSTER_RUN_DIR"), help="goodput event logs")
     p.add_argument("--report", default=None, help="write this rank's summary (JSON) into this folder")
     p.add_argument("--restore-only", action="store_true", help="restore, report, and exit")
+    p.add_argument("--fsdp", action="store_true", help="shard the state with FSDP2 instead of replicating it (DDP)")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (pacing a demo)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -93,7 +119,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = TinyGPT(dim=args.dim, layers=args.layers).to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    net = parallelize(model, args.fsdp, device)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     state: dict[str, Any] = {"model": model, "optim": optim, "progress": {"step": -1, "tokens": 0}}
 
@@ -107,7 +133,8 @@ def main() -> None:
     )
     t = time.perf_counter()
     start = ckpt.load(state)
-    report: dict = {"rank": rank, "node": ckpt.config.node, "restored": start, "load_s": time.perf_counter() - t}
+    report: dict = {"rank": rank, "world": dist.get_world_size(), "node": ckpt.config.node, "restored": start,
+                    "load_s": time.perf_counter() - t}
     if ckpt.last_restore is not None:
         report["restore"] = {k: getattr(ckpt.last_restore, k) for k in ("source", "source_rank", "source_node", "bytes", "seconds", "notes")}
     report["restored_digest"] = digest(state)
@@ -130,7 +157,7 @@ def main() -> None:
     for step in range(0 if start is None else start + 1, args.steps):
         t_step = time.perf_counter()
         data = batch(step, rank, args.batch, 64, device)
-        logits = ddp(data[:, :-1])
+        logits = net(data[:, :-1])
         loss = loss_fn(logits.reshape(-1, 256), data[:, 1:].reshape(-1))
         loss.backward()
         optim.step()  # waits for the previous checkpoint's copy (registered automatically)

@@ -4,6 +4,11 @@ Rank 0 compares the newest manifested persistent step with the newest complete
 in-cluster step; if the persistent one is newer, every rank downloads its own shard
 (verified against its sidecar and the manifest) into one of its slots, which heals its
 node's RAM tier on the way.
+
+A persistent step saved by another world size is resharded: each old shard is
+downloaded once, by the rank rank 0 assigns it to, into that old rank's folder on its
+node (verified, then committed like a replica), and the resharding restore proceeds from
+the cluster's RAM (:mod:`incluster.recovery.reshard`).
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ from incluster.recovery.plan import RankPlan
 log = logging.getLogger("incluster")
 
 
-def persistent_plan(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int, int]]) -> list[RankPlan] | None:
+def persistent_plan(
+    ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int, int]], shared: dict[str, Any] | None = None,
+    node_index: list[int] | None = None,
+) -> list[RankPlan] | None:
     """Rank 0: plans to restore from tier 2 when its newest manifested step is newer than
-    the newest complete in-cluster step (a tie prefers the cluster's RAM)."""
+    the newest complete in-cluster step (a tie prefers the cluster's RAM). A step of
+    another world size is resharded: old shard o is fetched by rank o mod W, and the
+    resharding plan's shared part goes into ``shared``."""
     if ctx.persistent is None:
         return None
     from incluster.persist import MANIFEST, manifested_steps, step_dir
@@ -33,16 +43,81 @@ def persistent_plan(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, in
         try:
             manifest = json.loads(ctx.persistent.read(f"{step_dir(ctx.job, step)}/{MANIFEST}"))
             records = {int(r["rank"]): r for r in manifest["ranks"]}
-            if int(manifest["world_size"]) != ctx.world_size or sorted(records) != list(range(ctx.world_size)):
-                log.warning("incluster: persistent step %d was saved by %s ranks; this job has %d",
-                            step, manifest.get("world_size"), ctx.world_size)
+            world = int(manifest["world_size"])
+            if world < 1 or sorted(records) != list(range(world)):
+                log.warning("incluster: persistent step %d has a manifest without every rank's record; skipped", step)
                 exclude.add(("<persistent>", -1, step))
                 continue
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)
             exclude.add(("<persistent>", -1, step))
             continue
+        if world != ctx.world_size:
+            if shared is None or node_index is None or ctx.rank_state == "refuse":
+                log.warning("incluster: persistent step %d was saved by %d ranks; this job has %d", step, world,
+                            ctx.world_size)
+                exclude.add(("<persistent>", -1, step))
+                continue
+            server_of = [o % ctx.world_size for o in range(world)]
+            shared["maps"] = server_of + list(node_index)
+            mine: dict[int, list[Any]] = {r: [] for r in range(ctx.world_size)}
+            for o in range(world):
+                mine[server_of[o]].append(records[o])
+            return [RankPlan(step, None, (), "persistent", {"reshard": mine[r]}, world=world) for r in range(ctx.world_size)]
         return [RankPlan(step, None, (), "persistent", records[r]) for r in range(ctx.world_size)]
+    return None
+
+
+def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]]) -> str | None:
+    """Download the old shards this rank serves in a resharding restore from tier 2 into
+    their old ranks' folders on this node, each verified against its sidecar and the
+    manifest before it is committed. None, or what went wrong."""
+    import mmap
+    import os
+
+    from incluster.format.checksum import Checksum, verify
+    from incluster.format.sidecar import write_sidecar
+    from incluster.persist import step_dir
+    from incluster.staging.slots import sidecar_file, step_file
+    from incluster.tiers.local import rank_folder
+    from incluster.writer.local_commit import parse_received_sidecar
+
+    for record in records:
+        try:
+            owner = int(record["rank"])
+            base = f"{step_dir(ctx.job, step)}/rank-{owner:05d}"
+            where = f"old rank {owner}'s shard of persistent step {step}"
+            expect = Checksum.from_json(record["checksum"], where)
+            sc = parse_received_sidecar(
+                ctx.persistent.read(base + ".json"), where, rank=owner, step=step, job=ctx.job, size=expect.size
+            )
+            if sc.checksum != expect:
+                return f"{where}: sidecar and manifest disagree"
+            folder = rank_folder(ctx.local_dir, ctx.job, owner)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            final = os.path.join(folder, step_file(step))
+            tmp = f"{final}.fetch-{os.getpid()}"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, expect.size)
+                mm = mmap.mmap(fd, expect.size) if expect.size else None
+                try:
+                    got = ctx.persistent.read(base + ".safetensors", into=memoryview(mm) if mm is not None else memoryview(bytearray()))
+                    if got != expect.size:
+                        raise CorruptCheckpointError(f"{where}: {got} bytes downloaded, the manifest says {expect.size}")
+                    verify(mm if mm is not None else b"", expect, where)
+                finally:
+                    if mm is not None:
+                        mm.close()
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp)
+                raise
+            os.close(fd)
+            os.replace(tmp, final)
+            write_sidecar(os.path.join(folder, sidecar_file(step)), sc)
+        except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError) as exc:
+            return f"{where if 'where' in locals() else 'a persistent shard'}: {exc}"
     return None
 
 

@@ -34,7 +34,7 @@ import torch
 
 from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from incluster.format.checksum import core_share
-from incluster.recovery.from_persistent import download, persistent_plan
+from incluster.recovery.from_persistent import download, fetch_old_shards, persistent_plan
 from incluster.recovery.gather import device_for_collectives, gather_to_zero, scatter_from_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing
@@ -160,6 +160,14 @@ class _Run:
             abandon_newer(ctx.local_dir, ctx.job, mine.step, ctx.ring)
             if mine.world is not None and mine.world != ctx.world_size:
                 self.dirty, self.loaded = self.dirty or self.loaded is not None, None
+                if mine.persistent is not None:  # tier 2 first: each old shard into one node's RAM
+                    problem = fetch_old_shards(ctx, mine.step, mine.persistent.get("reshard", []))
+                    report.notes.append("old shards fetched from the persistent tier")
+                    if problem is not None:
+                        log.warning("incluster: %s; the persistent step is set aside", problem)
+                        report.notes.append(problem)
+                    if self._collect([("<persistent>", -1, mine.step)] if problem else []):
+                        continue
                 rs = Reshard(ctx, self.state, mine.step, _maps(ctx, mine.world, shared), report)
                 try:
                     if rs.run(self._collect):
@@ -357,7 +365,7 @@ def _plan_round(
             if inv is not None:
                 holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
         plan = make_plan(topo, holdings, exclude)
-        persisted = persistent_plan(ctx, plan.step, exclude)
+        persisted = persistent_plan(ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of])
         if persisted is not None:
             plans = persisted
         elif plan.step is None and plan.missing:
