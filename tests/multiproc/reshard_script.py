@@ -6,7 +6,8 @@
 DTensor gathered) to OUT_DIR/full-save.pt. ``load``: build the same model at this world
 size, load, write the full state to OUT_DIR/full-load.pt, then train one step and save
 step 4 (training goes on at the new size). Each rank writes OUT_DIR/result-PHASE-rR.json.
-With RESHARD_PERSISTENT=DIR every save also goes to that persistent folder.
+With RESHARD_PERSISTENT=DIR every save also goes to that persistent folder;
+RESHARD_MESH_SAVE / RESHARD_MESH_LOAD="2,2" make that phase HSDP on a 2 x 2 mesh.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from torch.distributed.fsdp import fully_shard
 import incluster
 
 
-def build(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(world: int, mesh_shape: tuple[int, ...]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """FSDP2 over a 1-D mesh, or HSDP over a (replicate, shard) mesh."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 10), torch.nn.ReLU(), torch.nn.Linear(10, 5)
     )
-    mesh = init_device_mesh("cpu", (world,))
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else None
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -57,7 +60,8 @@ def main() -> int:
     out_dir, phase = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, optim = build(world)
+    mesh = os.environ.get(f"RESHARD_MESH_{phase.upper()}")  # e.g. "2,2": HSDP
+    model, optim = build(world, tuple(int(x) for x in mesh.split(",")) if mesh else (world,))
     state = {"model": model, "optim": optim, "loader": {"position": 1000 + rank}}
     tier = os.environ.get("RESHARD_PERSISTENT")  # a folder: every save also goes there
     ck = incluster.Checkpointer(job="reshard", replicas=1, slot_timeout_s=60, persistent=tier, persistent_every=1)

@@ -79,3 +79,13 @@ def test_every_node_lost_three_ranks_reshard_from_the_persistent_tier(local_dir)
     assert [r["loaded"] for r in res] == [3, 3, 3] and {r["source"] for r in res} == {"reshard"}, res
     assert all("old shards fetched from the persistent tier" in r["notes"] for r in res), res
     assert all(r["step4"] == "durable" for r in res)
+
+
+def test_hsdp_on_a_two_by_two_mesh_restores_into_three_ranks_of_fsdp(local_dir):
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    _run(local_dir, out, "save", ["n0", "n1", "n2", "n3"], {"RESHARD_MESH_SAVE": "2,2"})
+    shutil.rmtree(os.path.join(local_dir, "n3"))
+    res = _run(local_dir, out, "load", ["n0", "n1", "n2"])
+    _same_full_state(out)
+    assert [r["loaded"] for r in res] == [3, 3, 3] and {r["source"] for r in res} == {"reshard"}, res
