@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -135,6 +136,7 @@ class Checkpointer(SavePipeline):
         self._closed = False
         self._warned_warm = False
         self.last_restore: RestoreReport | None = None
+        self._old_world: int | None = None  # after a resharding restore: the world it came from
         self.events: ev.EventRecorder | ev.NullRecorder = (
             ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
         )
@@ -189,6 +191,8 @@ class Checkpointer(SavePipeline):
         # Replication and the commit outcome each wait up to slot_timeout_s; past both (and
         # staging), a writer or peer has stopped answering: wait() says so instead of hanging.
         handle = SaveHandle(step=step, staged=job.staged, started=t0, deadline_s=3 * self.config.slot_timeout_s)
+        if self._old_world is not None:
+            handle.durable.add_done_callback(self._drop_old_world)
         with self._lock:
             self._inflight = job
             self._pending.append(handle)
@@ -354,6 +358,8 @@ class Checkpointer(SavePipeline):
         self.events.record(
             ev.LOAD, step=report.step, source=report.source, bytes=report.bytes, seconds=report.seconds
         )
+        if report.source == "reshard":
+            self._old_world = report.old_world
         if report.step is not None:
             self.ring.reset_to(report.step)
             self._highest = report.step
@@ -371,6 +377,19 @@ class Checkpointer(SavePipeline):
         # effects (torch's get_optimizer_state_dict steps a fresh optimizer once to create
         # its state), and a fresh optimizer's layout is not the one its first save will have.
         return report.step
+
+    def _drop_old_world(self, durable: "Future[None]") -> None:
+        """After a resharding restore, once a step of this world is durable everywhere: the
+        folders of old ranks this world does not have hold only the old world's copies, which
+        no ring recycles. They go (each node's RAM gets them back)."""
+        if durable.cancelled() or durable.exception() is not None or self._old_world is None:
+            return
+        old, self._old_world = self._old_world, None
+        base = os.path.join(self.config.local_dir, self.config.job)
+        for owner in range(self.world_size, old):
+            shutil.rmtree(os.path.join(base, f"rank-{owner:05d}"), ignore_errors=True)
+        log.info("incluster: rank %d: the old world's copies of ranks %d..%d are dropped from this node", self.rank,
+                 self.world_size, old - 1)
 
     def _heal(self, heal: Any, step: int, replicate: bool) -> None:
         """Staging thread, after a peer restore: commit this node's copy, then re-send replicas."""

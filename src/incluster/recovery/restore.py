@@ -65,6 +65,7 @@ class RestoreReport:
     bytes: int = 0
     seconds: float = 0.0
     rounds: int = 0
+    old_world: int | None = None  # resharded: the world size that saved the step
     notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
@@ -174,7 +175,7 @@ class _Run:
                         continue
                 finally:
                     self.dirty = self.dirty or rs.dirty
-                report.source = "reshard"
+                report.source, report.old_world = "reshard", mine.world
                 ctx.ring.set_global(mine.step)
                 return
             if mine.persistent is not None:
