@@ -82,11 +82,15 @@ class Reshard:
             if collect(bad):
                 return True
             self._stop_together(problem)
-            src = self._source()
-            live, pieces, problem, d = self._fit(src)
+            try:
+                src: Shard | None = self._source()
+            except CheckpointError as exc:  # after every message of the round: the others stop with us
+                src, problem = None, str(exc)
+            live, pieces, problem, d = self._fit(src) if src is not None else (None, [], problem, 0)
             self._stop_together(problem, d)
+            assert src is not None and live is not None
             self.dirty = True
-            moved = self._move(src, live, pieces)  # type: ignore[arg-type]
+            moved = self._move(src, live, pieces)
             load_into(self.state, self._tree, self._fetch, allow_pickle=self.ctx.allow_pickle,
                       placed=self._placed)
         finally:
@@ -163,7 +167,7 @@ class Reshard:
         header received from its server."""
         dist, maps, old = _dist(), self.maps, self.maps.old_world
         src = source_of(self.me, old, self.rule)
-        if src is None:
+        if src is None:  # "refuse" (a setting every rank shares): nobody sends either
             raise CheckpointError(
                 f"step {self.step} was saved by {old} ranks and this job has {self.world}; reshard_rank_state="
                 f"'refuse' forbids restoring it here. Restart with {old} ranks, or set reshard_rank_state to "
