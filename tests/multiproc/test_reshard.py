@@ -91,3 +91,14 @@ def test_hsdp_on_a_two_by_two_mesh_restores_into_three_ranks_of_fsdp(local_dir):
     res = _run(local_dir, out, "load", ["n0", "n1", "n2"])
     _same_full_state(out)
     assert [r["loaded"] for r in res] == [3, 3, 3] and {r["source"] for r in res} == {"reshard"}, res
+
+
+def test_same_world_size_on_another_mesh_is_resharded(local_dir):
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    nodes = ["n0", "n1", "n2", "n3"]
+    _run(local_dir, out, "save", nodes, {"RESHARD_MESH_SAVE": "2,2"})  # HSDP 2 x 2
+    res = _run(local_dir, out, "load", nodes)  # FSDP over all 4
+    _same_full_state(out)
+    assert [r["loaded"] for r in res] == [3] * 4 and {r["source"] for r in res} == {"reshard"}, res
+    assert all(any("another mesh" in n for n in r["notes"]) for r in res), res

@@ -37,6 +37,7 @@ class RankPlan:
     size: int | None = None  # bytes I will receive (so I can prepare the slot early)
     transfers: bool = True  # some rank receives its shard from a peer in this plan
     world: int | None = None  # the step was saved by this many ranks (not ours): reshard
+    reshard: bool = False  # reshard even at the same world size (the live mesh differs)
 
 
 @dataclass
@@ -94,8 +95,11 @@ def choose_step(holders: Holders, world: int) -> tuple[int | None, int | None, d
     return None, None, missing
 
 
-def make_plan(topo: Topology, holdings: Holdings, exclude: set[tuple[str, int, int]] | None = None) -> Plan:
-    """The restore plan for every rank (identical input gives an identical plan)."""
+def make_plan(
+    topo: Topology, holdings: Holdings, exclude: set[tuple[str, int, int]] | None = None, *, force_reshard: bool = False
+) -> Plan:
+    """The restore plan for every rank (identical input gives an identical plan);
+    ``force_reshard``: a resharding plan even at the same world size."""
     holders = index_holders(holdings, topo, exclude or set())
     step, world, missing = choose_step(holders, topo.world_size)
     if step is None or world is None:
@@ -103,7 +107,7 @@ def make_plan(topo: Topology, holdings: Holdings, exclude: set[tuple[str, int, i
     ranks_on = defaultdict(list)
     for r, n in enumerate(topo.node_of):
         ranks_on[n].append(r)
-    if world != topo.world_size:
+    if world != topo.world_size or force_reshard:
         return _reshard_plan(topo, holders, step, world, ranks_on, missing)
     load: dict[int, int] = defaultdict(int)  # shards each rank sends
     source: list[int | None] = [None] * topo.world_size
@@ -148,5 +152,5 @@ def _reshard_plan(
             s = min((c for n in nodes for c in ranks_on[n]), key=lambda c: (load[c], c))
         load[s] += 1
         server_of.append(s)
-    ranks = [RankPlan(step, None, (), None, world=world) for _ in range(topo.world_size)]
+    ranks = [RankPlan(step, None, (), None, world=world, reshard=True) for _ in range(topo.world_size)]
     return Plan(step, ranks, missing, world, server_of)

@@ -133,6 +133,25 @@ def live_layout(state: Mapping[str, Any], shard: Shard, rank: int, world: int, a
     return live
 
 
+def mesh_changed(state: Mapping[str, Any], tree: Any, allow_pickle: bool) -> bool:
+    """Whether live DTensors of the saved global shapes are cut unlike the saved shards (a
+    different mesh or placements at the same world size): a restore then reshards. Other
+    mismatches are left to the load, which names them."""
+    try:
+        found = live_dtensors(state, tree, allow_pickle=allow_pickle)
+    except CheckpointError:
+        return False
+    for name, node, _ in _dnodes(tree, ""):
+        if name not in found:
+            continue
+        now = dtensor.describe(found[name][0])
+        if now["global_shape"] != node.get("global_shape"):
+            continue
+        if any(now[k] != node.get(k) for k in ("mesh_shape", "placements", "global_offset", "local_shape")):
+            return True
+    return False
+
+
 def check_rest(state: Mapping[str, Any], shard: Shard, live: Live, allow_pickle: bool) -> None:
     """Plain tensors are taken whole from the source rank: they must fit the live ones."""
     for name, t in live_targets(state, rewritten(shard.tree, live), allow_pickle=allow_pickle).items():

@@ -41,6 +41,7 @@ from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, ope
 from incluster.recovery.plan import RankPlan, make_plan
 from incluster.recovery.reshard import Reshard
 from incluster.recovery.reshard_pieces import Maps
+from incluster.recovery.reshard_shard import mesh_changed
 from incluster.recovery.transfer import Incoming, Outgoing, exchange
 from incluster.staging.slots import SlotRing
 from incluster.state_load import load_into
@@ -159,7 +160,7 @@ class _Run:
                 return
             ctx.ring.reset_to(mine.step)
             abandon_newer(ctx.local_dir, ctx.job, mine.step, ctx.ring)
-            if mine.world is not None and mine.world != ctx.world_size:
+            if mine.world is not None and (mine.world != ctx.world_size or mine.reshard):
                 self.dirty, self.loaded = self.dirty or self.loaded is not None, None
                 if mine.persistent is not None:  # tier 2 first: each old shard into one node's RAM
                     problem = fetch_old_shards(ctx, mine.step, mine.persistent.get("reshard", []))
@@ -236,6 +237,10 @@ class _Run:
             self.received = received
             if received.landing is None:  # set by prepare() whenever no problem was found
                 raise CheckpointError("a received shard has no landing; please report this")
+            if received.sidecar is not None and mesh_changed(self.state, received.sidecar.tree, ctx.allow_pickle):
+                self.received = None  # its bytes are in scratch memory only: nothing landed
+                received.abandon()
+                return [_mesh_marker(self.report, step)]
             try:
                 self._apply(step, received.sidecar, received.landing)
             except CorruptCheckpointError as exc:  # the sender's sidecar names what its shard lacks
@@ -268,6 +273,8 @@ class _Run:
                 if sc.rank != ctx.rank or sc.job != ctx.job:
                     raise CorruptCheckpointError(f"{folder}: step {step} claims rank {sc.rank} of job {sc.job!r}")
                 _check_world(sc, ctx, step)
+                if mesh_changed(self.state, sc.tree, ctx.allow_pickle):  # before any byte lands
+                    return [_mesh_marker(self.report, step)]
                 targets = direct_targets(
                     self.state, sc.tree, header, allow_pickle=ctx.allow_pickle, big=1, devices=("cpu", "cuda")
                 )
@@ -320,6 +327,14 @@ class _Run:
         return True
 
 
+MESH = "<mesh>"  # an exclusion that asks rank 0 for a resharding plan at the same world size
+
+
+def _mesh_marker(report: RestoreReport, step: int) -> tuple[str, int, int]:
+    report.notes.append("the live DTensors are cut unlike the saved shards (another mesh or placements): resharded")
+    return (MESH, -2, step)
+
+
 def _check_world(sc: Any, ctx: Context, step: int) -> None:
     if sc.world_size != ctx.world_size:
         raise CheckpointError(
@@ -365,7 +380,8 @@ def _plan_round(
         for node, inv in list(gathered) + list(extra):
             if inv is not None:
                 holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
-        plan = make_plan(topo, holdings, exclude)
+        remesh = any(e[0] == MESH for e in exclude)
+        plan = make_plan(topo, holdings, exclude, force_reshard=remesh)
         persisted = persistent_plan(ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of])
         if persisted is not None:
             plans = persisted
@@ -391,7 +407,7 @@ def _plan_round(
             plans = [msg] * ctx.world_size
         else:
             plans = list(plan.ranks)
-            if plan.world is not None and plan.world != ctx.world_size and shared is not None:
+            if plan.world is not None and (plan.world != ctx.world_size or remesh) and shared is not None:
                 shared["maps"] = list(plan.server_of) + [topo.node_index(n) for n in topo.node_of]
     if dist is None:
         return plans[0] if plans else RankPlan(None)
