@@ -8,9 +8,18 @@ store; no default group involved), so replication never touches the trainer's pr
 Per step, in three rounds (tags derived from the step):
 1. headers: each rank tells each target ``[step, sidecar bytes, shard bytes]`` (or -1:
    nothing to send, e.g. its own save failed);
-2. needs: each target answers 1 if it wants the bytes (0 if it already holds that step);
-3. data: the sidecar, then the shard straight from the mapped file into the target's
-   replica slot (a reused file under ``<local_dir>/<job>/rank-<owner>/`` on its node).
+2. needs: each target answers 1 if it wants the bytes, 0 if it already holds that step,
+   2 if its own shard of the step holds the very same bytes (data-parallel ranks: the
+   header carries a digest of the owner's checksum record, compared with the target's);
+3. data: the sidecar, then (answer 1) the shard straight from the mapped file into the
+   target's replica slot (a reused file under ``<local_dir>/<job>/rank-<owner>/``).
+
+A shared replica (answer 2) is the owner's sidecar alone, written into the owner's folder
+with ``extra.shared_with`` naming the target's rank: its bytes are the target's own shard
+file of the same step (:func:`incluster.tiers.local.data_path`), so no bytes cross the
+network and no RAM is used twice. A restore checks them against the owner's digests like
+any copy. Both go when the step is superseded (the target's ring and the replica ring
+drop a step only once a newer one is committed everywhere).
 
 The receiver validates the sidecar, checks that it names the owner and step it expects,
 verifies every checksum, and only then renames the slot and writes the sidecar; each
@@ -20,6 +29,7 @@ derives itself (owner rank and step), never at a path a peer names.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -29,6 +39,7 @@ from typing import Any
 import torch
 
 from incluster.commit import Coordinator, StoreAddress
+from incluster.errors import CheckpointError
 from incluster.staging.slots import SlotRing
 from incluster.tiers.local import rank_folder
 from incluster.writer.local_commit import commit_received, parse_received_sidecar
@@ -68,6 +79,7 @@ class OwnShard:
     sidecar: bytes
     buf: Any  # writable mmap or bytes-like of exactly ``size`` bytes
     size: int
+    content: int = 0  # checksum.content_id of the shard (0: unknown, never shared)
 
 
 class Replicator:
@@ -216,13 +228,14 @@ class Replicator:
     def _exchange(self, step: int, own: OwnShard | None, coord: Coordinator, skip: set[int]) -> list[int]:
         sources = [r for r in self.sources if r not in skip]
         targets = [r for r in self.targets if r not in skip]
-        headers = {src: torch.zeros(3, dtype=torch.int64) for src in sources}
-        mine = torch.tensor([step, len(own.sidecar), own.size] if own else [step, -1, -1], dtype=torch.int64)
+        headers = {src: torch.zeros(4, dtype=torch.int64) for src in sources}
+        mine = torch.tensor([step, len(own.sidecar), own.size, own.content] if own else [step, -1, -1, 0],
+                            dtype=torch.int64)
         works = [self._recv([t], src, self._tag(step, 1)) for src, t in headers.items()]
         works += [self._send([mine], dst, self._tag(step, 1)) for dst in targets]
         self._wait_all(works)
         needs = {dst: torch.zeros(1, dtype=torch.int64) for dst in targets}
-        answers = {src: torch.tensor([int(self._wants(src, step, h))], dtype=torch.int64) for src, h in headers.items()}
+        answers = {src: torch.tensor([self._wants(src, step, h, own)], dtype=torch.int64) for src, h in headers.items()}
         works = [self._recv([t], dst, self._tag(step, 2)) for dst, t in needs.items()]
         works += [self._send([t], src, self._tag(step, 2)) for src, t in answers.items()]
         self._wait_all(works)
@@ -231,32 +244,42 @@ class Replicator:
             coord.failed(step, refused)
         return self._data_round(step, own, headers, answers, needs, coord)
 
-    def _wants(self, owner: int, step: int, header: torch.Tensor) -> bool:
-        h_step, sc_len, size = (int(x) for x in header)
+    def _wants(self, owner: int, step: int, header: torch.Tensor, own: OwnShard | None) -> int:
+        """0: nothing; 1: the sidecar and the bytes; 2: the sidecar only (my own shard of
+        this step holds the same bytes)."""
+        h_step, sc_len, size, content = (int(x) for x in header)
         if h_step != step or sc_len < 0 or size < 0:
-            return False
+            return 0
         if sc_len > _MAX_SIDECAR:
             log.warning("incluster: rank %d sent a %d-byte sidecar for step %d; refused", owner, sc_len, step)
-            return False
+            return 0
         ring = self._ring(owner)
         if not (step not in ring.committed_steps() and all(s.step is None or s.step < step for s in ring.slots)):
-            return False
+            return 0
+        if own is not None and content != 0 and own.content == content and own.size == size:
+            return 2
         room = _room(ring)
         if size > room:  # checked before anything is allocated: a bad header must not fill the RAM disk
             self._refused[step] = (f"rank {owner} announced a {size}-byte shard for step {step}, but rank "
                                    f"{self.rank}'s RAM disk has room for {room}")
             log.warning("incluster: %s; the replica is refused and the step fails", self._refused[step])
-            return False
-        return True
+            return 0
+        return 1
 
     def _data_round(self, step: int, own: OwnShard | None, headers: dict[int, torch.Tensor],
                     answers: dict[int, torch.Tensor], needs: dict[int, torch.Tensor], coord: Coordinator) -> list[int]:
         works: list[Any] = []
         incoming = []
         for src, header in headers.items():
-            if not int(answers[src][0]):
+            answer = int(answers[src][0])
+            if not answer:
                 continue
             sc_len, size = int(header[1]), int(header[2])
+            if answer == 2:  # a shared replica: the sidecar alone
+                sc_buf = torch.empty(sc_len, dtype=torch.uint8)
+                works.append(self._recv([sc_buf], src, self._tag(step, 3)))
+                incoming.append((src, None, None, sc_buf, size))
+                continue
             ring = self._ring(src)
             slot = ring.acquire(step, self.timeout.total_seconds())
             buf = ring.prepare(slot, size)
@@ -271,20 +294,25 @@ class Replicator:
             for dst, need in needs.items():
                 if int(need[0]):
                     works.append(self._send([sc_t], dst, self._tag(step, 3)))
-                    if data is not None:
+                    if data is not None and int(need[0]) == 1:
                         works.append(self._send([data], dst, self._tag(step, 3)))
         try:
             self._wait_all(works)
         except BaseException:
             for _, ring, slot, _, _ in incoming:
-                ring.release(slot)
+                if slot is not None:
+                    ring.release(slot)
             raise
         received = []
         for src, ring, slot, sc_buf, size in incoming:
             try:
-                self._commit_replica(src, step, ring, slot, bytes(sc_buf.numpy()), size)
+                if slot is None:
+                    self._commit_shared(src, step, bytes(sc_buf.numpy()), size, own)
+                else:
+                    self._commit_replica(src, step, ring, slot, bytes(sc_buf.numpy()), size)
             except BaseException as exc:
-                ring.release(slot)
+                if slot is not None:
+                    ring.release(slot)
                 coord.failed(step, f"replica of rank {src} on rank {self.rank}: {exc}")
                 raise
             coord.committed(step)
@@ -295,6 +323,23 @@ class Replicator:
         where = f"replica of rank {owner} step {step} (received by rank {self.rank})"
         sc = parse_received_sidecar(raw, where, rank=owner, step=step, job=self.job, size=size)
         commit_received(ring, slot, sc, where, replica_on=self.node)
+
+    def _commit_shared(self, owner: int, step: int, raw: bytes, size: int, own: OwnShard | None) -> None:
+        """The owner's sidecar, committed as a replica whose bytes are my own shard's."""
+        import json
+
+        from incluster.format.checksum import Checksum
+        from incluster.format.sidecar import write_sidecar
+        from incluster.staging.slots import sidecar_file
+
+        where = f"shared replica of rank {owner} step {step} (on rank {self.rank})"
+        sc = parse_received_sidecar(raw, where, rank=owner, step=step, job=self.job, size=size)
+        mine = Checksum.from_json(json.loads(own.sidecar)["checksum"], where) if own is not None else None
+        if sc.checksum != mine:  # the digest of the records matched; the records must too
+            raise CheckpointError(f"{where}: its checksums differ from rank {self.rank}'s own shard")
+        extra = {**sc.extra, "replica_on": self.node, "shared_with": self.rank}
+        ring = self._ring(owner)
+        write_sidecar(os.path.join(ring.folder, sidecar_file(step)), dataclasses.replace(sc, extra=extra))
 
     def set_global(self, step: int) -> None:
         """``step`` committed everywhere: replica slots holding older steps may be reused."""

@@ -72,6 +72,17 @@ class Checksum:
         return cls(size=size, chunk=chunk, digests=tuple(digests), algo=algo)
 
 
+def content_id(cs: "Checksum") -> int:
+    """A signed 64-bit digest of a whole buffer's checksum record: equal records (same
+    size, chunking and chunk digests) give equal ids; callers compare the records too."""
+    h = xxhash.xxh3_64()
+    h.update(f"{cs.algo}:{cs.size}:{cs.chunk}:".encode())
+    for d in cs.digests:
+        h.update(d.encode())
+    v = h.intdigest()
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
 def digest(view: Any) -> str:
     """One chunk's digest (xxh3-64, hex); releases the GIL while it hashes."""
     return format(xxhash.xxh3_64_intdigest(view), "016x")

@@ -12,7 +12,8 @@ from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.recovery.plan import RankPlan
 from incluster.recovery.transfer import Outgoing
 from incluster.staging.slots import SlotRing, sidecar_file, step_file
-from incluster.tiers.local import ShardReader, committed_steps, rank_folder
+from incluster.format.sidecar import read_sidecar
+from incluster.tiers.local import ShardReader, committed_steps, data_path, rank_folder
 
 log = logging.getLogger("incluster")
 
@@ -34,9 +35,21 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int]]:
                 try:
                     size = os.stat(os.path.join(folder, step_file(step))).st_size
                 except FileNotFoundError:
-                    continue  # a sidecar without its shard: not a copy
+                    size = _shared_size(folder, step)  # a shared replica: the peer's file
+                    if size is None:
+                        continue  # a sidecar without its shard: not a copy
                 out.append((int(n[5:]), step, size, _saved_world(os.path.join(folder, sidecar_file(step)))))
     return out
+
+
+def _shared_size(folder: str, step: int) -> int | None:
+    """Size of a shared replica's bytes (the data-parallel peer's own file), if it is one."""
+    try:
+        sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
+        path = data_path(folder, sc)
+        return os.stat(path).st_size if path != os.path.join(folder, sc.shard) else None
+    except (CorruptCheckpointError, OSError):
+        return None
 
 
 _WORLD = re.compile(rb'"world_size":(\d{1,9})[,}]')
@@ -108,6 +121,9 @@ def open_outgoing(ctx: Any, mine: RankPlan, report: Any) -> tuple[list[tuple[str
                 raise CorruptCheckpointError(f"{folder}: step {step} claims rank {sc.rank} of job {sc.job!r}")
             with open(os.path.join(folder, sidecar_file(step)), "rb") as f:
                 outgoing.append(Outgoing(owner, f.read(), reader))
+            peer = sc.extra.get("shared_with")
+            if peer is not None:
+                report.notes.append(f"sent rank {owner}'s shard from the identical shard of rank {peer} on {ctx.node}")
         except (CorruptCheckpointError, FileNotFoundError) as exc:
             bad_copy(ctx, report, owner, step, exc)
             try:

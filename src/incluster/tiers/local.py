@@ -20,7 +20,7 @@ from incluster.format.checksum import verify
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.reader import ShardHeader, header_length, parse_header
 from incluster.format.sidecar import Sidecar, read_sidecar
-from incluster.staging.slots import sidecar_file
+from incluster.staging.slots import sidecar_file, step_file
 
 _SIDECAR = re.compile(r"^step-(\d{12,})\.json$")
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -37,6 +37,17 @@ def check_job(job: str) -> str:
 
 def rank_folder(local_dir: str, job: str, rank: int) -> str:
     return os.path.join(local_dir, check_job(job), f"rank-{rank:05d}")
+
+
+def data_path(folder: str, sidecar: Sidecar) -> str:
+    """Where a committed copy's bytes are: its own folder, or for a shared replica (a
+    data-parallel peer on this node saved the very same bytes, see
+    :mod:`incluster.replication`) that peer's shard file of the same step. Derived here from
+    the peer's rank number, never from a path in the record."""
+    peer = sidecar.extra.get("shared_with")
+    if type(peer) is int and peer >= 0:
+        return os.path.join(os.path.dirname(os.path.abspath(folder)), f"rank-{peer:05d}", step_file(sidecar.step))
+    return os.path.join(folder, sidecar.shard)
 
 
 def committed_steps(folder: str) -> list[int]:
@@ -57,7 +68,7 @@ def open_shard(folder: str, step: int) -> tuple[int, Sidecar, ShardHeader, str]:
     sidecar = read_sidecar(os.path.join(folder, sidecar_file(step)))
     if sidecar.step != step:
         raise CorruptCheckpointError(f"{folder}: sidecar of step {step} says step {sidecar.step}")
-    path = os.path.join(folder, sidecar.shard)
+    path = data_path(folder, sidecar)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
@@ -86,7 +97,7 @@ class ShardReader:
         self.sidecar: Sidecar = read_sidecar(os.path.join(folder, sidecar_file(step)))
         if self.sidecar.step != step:
             raise CorruptCheckpointError(f"{folder}: sidecar of step {step} says step {self.sidecar.step}")
-        self.path = os.path.join(folder, self.sidecar.shard)
+        self.path = data_path(folder, self.sidecar)
         self._mm: mmap.mmap | None = None
         self._buf: torch.Tensor | None = None
         try:

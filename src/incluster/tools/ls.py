@@ -44,7 +44,7 @@ def status(ranks: dict[int, list[Copy]]) -> tuple[bool, str]:
 def table(inv: Inventory) -> Table:
     t = Table(title="incluster checkpoints", title_justify="left")
     for col, kw in (("job", {}), ("step", {"justify": "right"}), ("ranks", {"justify": "right"}),
-                    ("copies", {"justify": "right"}), ("nodes", {}), ("tiers", {}),
+                    ("copies", {"justify": "right"}), ("shared", {"justify": "right"}), ("nodes", {}), ("tiers", {}),
                     ("size", {"justify": "right"}), ("stored", {"justify": "right"}), ("status", {})):
         t.add_column(col, **kw)  # type: ignore[arg-type]
     for (job, step), ranks in inv.steps().items():
@@ -56,7 +56,8 @@ def table(inv: Inventory) -> Table:
         one = sum(next((c.nbytes for c in cs if c.sidecar), 0) for cs in ranks.values())
         complete, words = status(ranks)
         t.add_row(job, str(step), f"{present}/{w if w is not None else '?'}", str(len(copies)),
-                  ", ".join(nodes) or "-", ", ".join(tiers), human(one), human(sum(c.nbytes for c in copies)),
+                  str(sum(1 for c in copies if c.shared)),
+                  ", ".join(nodes) or "-", ", ".join(tiers), human(one), human(sum(c.stored for c in copies)),
                   f"[green]{words}[/]" if complete else f"[red]{words}[/]")
     return t
 
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}", markup=False)
     else:
         out.print(table(inv))
-        out.print("size: one copy of every rank; stored: every copy in every tier", style="dim")
+        out.print("size: one copy of every rank; stored: every copy in every tier; shared: replicas whose "
+                  "bytes are a data-parallel peer's identical shard on the same node (stored once)", style="dim")
     for c in inv.copies:
         if c.error:
             line(out, "[red]unreadable sidecar:[/]", c.error)

@@ -44,6 +44,16 @@ class Copy:
     def nbytes(self) -> int:
         return self.sidecar.checksum.size if self.sidecar is not None else 0
 
+    @property
+    def shared(self) -> bool:
+        """A replica whose bytes are a data-parallel peer's own shard on the same node."""
+        return self.sidecar is not None and self.sidecar.extra.get("shared_with") is not None
+
+    @property
+    def stored(self) -> int:
+        """Bytes this copy takes of its own (none for a shared replica)."""
+        return 0 if self.shared else self.nbytes
+
 
 @dataclass(frozen=True)
 class Note:

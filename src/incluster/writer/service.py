@@ -80,9 +80,10 @@ class CommitService:
         self.coord.committed(req.step)
         import json
 
+        from incluster.format.checksum import content_id
         from incluster.replication import OwnShard
 
-        own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size)
+        own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size, content_id(sidecar.checksum))
         persist = self.uploader is not None and self.uploader.due(req.step, req.ordinal)
         return path, own, persist
 
@@ -115,6 +116,7 @@ class CommitService:
             return
         import json
 
+        from incluster.format.checksum import content_id
         from incluster.format.sidecar import read_sidecar
         from incluster.replication import OwnShard
         from incluster.staging.slots import sidecar_file, step_file
@@ -132,7 +134,8 @@ class CommitService:
         finally:
             os.close(fd)
         try:
-            own = OwnShard(json.dumps(sc.to_json()).encode(), mm if mm is not None else b"", size)
+            own = OwnShard(json.dumps(sc.to_json()).encode(), mm if mm is not None else b"", size,
+                           content_id(sc.checksum))
             self.replicator.exchange(step, own, _NoCount())  # type: ignore[arg-type]  # counts nothing
             self.replicator.set_global(step)
         finally:

@@ -1,0 +1,59 @@
+"""Data-parallel copies as replicas: a replica whose bytes equal the partner's own shard
+is stored as a sidecar pointing at that shard (no bytes sent, no RAM used twice); a lost
+node is restored from such shared copies, bitwise, with each rank's own values; a
+corrupt shared copy is caught by its checksums and another copy is used."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+
+from incluster.format.sidecar import read_sidecar
+from incluster.testing.launch import launch
+
+pytestmark = pytest.mark.multiproc
+SCRIPT = os.path.join(os.path.dirname(__file__), "dp_share_script.py")
+NODES = ["n0", "n1", "n2", "n3"]
+
+
+def _run(local_dir: str, out: str, phase: str, nodes: list[str]) -> list[dict]:
+    job = launch([SCRIPT, out, phase], nodes=nodes, ranks_per_node=1, base_dir=local_dir)
+    codes = job.wait(180)
+    assert codes == [0] * len(nodes), [job.output(r)[-3000:] for r in range(len(nodes))]
+    return [json.load(open(os.path.join(out, f"result-{phase}-r{r}.json"))) for r in range(len(nodes))]
+
+
+def _step(local_dir: str, node: str, owner: int, ext: str) -> str:
+    return os.path.join(local_dir, node, "dpshare", f"rank-{owner:05d}", f"step-000000000002.{ext}")
+
+
+def test_identical_shards_share_replicas_and_restore_a_lost_node(local_dir):
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    _run(local_dir, out, "save", NODES)
+    for i, node in enumerate(NODES):
+        # each node keeps one shard file (its own rank's); the two replicas it holds are sidecars
+        assert len(glob.glob(os.path.join(local_dir, node, "dpshare", "rank-*", "step-*.safetensors"))) == 1, node
+        for k in (1, 2):
+            owner = (i - k) % 4
+            sc = read_sidecar(_step(local_dir, node, owner, "json"))
+            assert sc.rank == owner and sc.extra["shared_with"] == i and sc.extra["replica_on"] == node
+            assert not os.path.exists(_step(local_dir, node, owner, "safetensors"))
+    shutil.rmtree(os.path.join(local_dir, "n1"))  # rank 1's own copy is gone
+    path = _step(local_dir, "n2", 2, "safetensors")  # rank 2's shard: also rank 1's shared copy on n2
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 4)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    res = _run(local_dir, out, "load", ["n0", "spare", "n2", "n3"])
+    assert [r["loaded"] for r in res] == [2] * 4, res
+    assert all(r["equal"] and r["optim_state"] for r in res), res
+    assert [r["own"] for r in res] == [{"rank": r, "position": 100 * r} for r in range(4)], res  # each its own
+    notes = [n for r in res for n in r["notes"]]
+    assert any("failed verification" in n for n in notes), notes
+    assert any("from the identical shard of rank" in n for n in notes), notes
