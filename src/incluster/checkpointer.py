@@ -103,6 +103,7 @@ class Checkpointer(SavePipeline):
             job=self.config.job,
             node=self.config.node,
             keep=self.config.keep,
+            share_replicas=self.config.share_replicas,
             persist=wiring.persist_params(self.config, self.rank, self.world_size),
         )
         self.replica_targets = targets

@@ -61,6 +61,10 @@ class Config:
     through CUDA IPC: the training loop's own device-to-host copies, e.g. ``loss.item()``,
     never queue behind it) or "trainer" (a thread of the training process). "writer"
     needs writer="process"; otherwise the trainer drains."""
+    share_replicas: bool = True
+    """A replica whose bytes equal the partner's own shard of the same step (data-parallel
+    ranks) is kept as the owner's sidecar pointing at that shard: no bytes sent, no RAM
+    used twice. False: always a full copy (independent of the partner's file)."""
     reshard_rank_state: str = "same-rank"
     """A restore into a different world size: where each new rank's own values (those not
     cut by DTensor placements: plain tensors, data-loader position, RNG) come from.
@@ -94,6 +98,8 @@ class Config:
             raise ValueError(f"gpu_snapshot must be None (automatic), 0 (off) or a number of bytes (got {self.gpu_snapshot!r})")
         if self.gpu_drain not in ("writer", "trainer"):
             raise ValueError(f'gpu_drain must be "writer" or "trainer" (got {self.gpu_drain!r})')
+        if not isinstance(self.share_replicas, bool):
+            raise ValueError(f"share_replicas must be True or False (got {self.share_replicas!r})")
         if self.reshard_rank_state not in ("same-rank", "rank0", "refuse"):
             raise ValueError(
                 f'reshard_rank_state must be "same-rank", "rank0" or "refuse" (got {self.reshard_rank_state!r})'
@@ -119,6 +125,7 @@ def resolve(
     gpu_snapshot: int | None = None,
     gpu_drain: str = "writer",
     reshard_rank_state: str = "same-rank",
+    share_replicas: bool = True,
     persistent: Any = None,
     persistent_every: int = 10,
     persistent_interval_s: float | None = None,
@@ -142,6 +149,7 @@ def resolve(
         gpu_snapshot=gpu_snapshot,
         gpu_drain=gpu_drain,
         reshard_rank_state=reshard_rank_state,
+        share_replicas=share_replicas,
         persistent=_persistent_url(persistent if persistent is not None else env.get("INCLUSTER_PERSISTENT")),
         persistent_every=persistent_every,
         persistent_interval_s=persistent_interval_s,

@@ -97,13 +97,14 @@ class Replicator:
         keep: int,
         timeout_s: float,
         incarnation: int = 0,
+        share: bool = True,
     ) -> None:
         from torch.distributed import TCPStore
 
         self.rank, self.job, self.node, self.local_dir = rank, job, node, local_dir
         self.targets = list(targets)
         self.sources = list(sources)
-        self.keep = keep
+        self.keep, self.share = keep, share
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.incarnation = incarnation
         self._refused: dict[int, str] = {}  # step -> why a partner's replica was refused
@@ -256,7 +257,7 @@ class Replicator:
         ring = self._ring(owner)
         if not (step not in ring.committed_steps() and all(s.step is None or s.step < step for s in ring.slots)):
             return 0
-        if own is not None and content != 0 and own.content == content and own.size == size:
+        if self.share and own is not None and content != 0 and own.content == content and own.size == size:
             return 2
         room = _room(ring)
         if size > room:  # checked before anything is allocated: a bad header must not fill the RAM disk

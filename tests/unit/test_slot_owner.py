@@ -70,9 +70,28 @@ def test_a_replica_larger_than_the_ram_disk_is_refused_before_allocation(local_d
 
     rep = Replicator.__new__(Replicator)  # the decision alone: no store or process group needed
     rep.rank, rep.job, rep.local_dir, rep.keep, rep.rings, rep._refused = 0, "job", local_dir, 2, {}, {}
-    assert rep._wants(1, 5, torch.tensor([5, 100, 4096])) is True
-    assert rep._wants(1, 6, torch.tensor([6, 100, 1 << 60])) is False
+    rep.share = True
+    assert rep._wants(1, 5, torch.tensor([5, 100, 4096, 0]), None) == 1
+    assert rep._wants(1, 6, torch.tensor([6, 100, 1 << 60, 0]), None) == 0
     assert "room" in rep._refused[6]
     assert all(s.size == 0 for s in rep.rings[1].slots), "nothing may be allocated for a refused replica"
+    for ring in rep.rings.values():
+        ring.close()
+
+
+def test_a_replica_identical_to_my_own_shard_is_asked_for_as_a_sidecar_only(local_dir):
+    import torch
+
+    from incluster.replication import OwnShard, Replicator
+
+    rep = Replicator.__new__(Replicator)
+    rep.rank, rep.job, rep.local_dir, rep.keep, rep.rings, rep._refused = 0, "job", local_dir, 2, {}, {}
+    rep.share = True
+    own = OwnShard(b"{}", b"", 4096, content=12345)
+    assert rep._wants(1, 5, torch.tensor([5, 100, 4096, 12345]), own) == 2  # the same bytes: sidecar only
+    assert rep._wants(1, 5, torch.tensor([5, 100, 4096, 999]), own) == 1  # other bytes: a full copy
+    assert rep._wants(1, 5, torch.tensor([5, 100, 4096, 0]), own) == 1  # unknown: a full copy
+    rep.share = False
+    assert rep._wants(1, 5, torch.tensor([5, 100, 4096, 12345]), own) == 1  # share_replicas=False
     for ring in rep.rings.values():
         ring.close()

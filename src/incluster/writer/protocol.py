@@ -56,5 +56,6 @@ class WriterParams:
     job: str = ""
     node: str = ""
     keep: int = 2
+    share_replicas: bool = True  # a partner's identical shard here is kept as a sidecar only
     persist: PersistParams | None = None
     incarnation: int = 0  # 0: the rank's first writer; n: started again after n deaths

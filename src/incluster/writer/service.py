@@ -60,6 +60,7 @@ class CommitService:
                 job=params.job,
                 node=params.node,
                 keep=params.keep,
+                share=params.share_replicas,
                 timeout_s=params.outcome_timeout_s,
                 incarnation=params.incarnation,
             )
