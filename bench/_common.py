@@ -206,6 +206,20 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def source_commit() -> str | None:
+    """The commit of the library measured ("+dirty" where src/ has uncommitted changes)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=root, capture_output=True, text=True).stdout
+        return head + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def rss_bytes() -> int | None:
     try:
         import psutil
