@@ -11,6 +11,8 @@ run save_overhead
 run training_slowdown
 run coordination_scale
 run recovery
+run reshard_planner
+run recovery_reshard
 run persistent
 # On a machine with CUDA: the GPU benches too (they need no other setup).
 if "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
