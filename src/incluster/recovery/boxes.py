@@ -70,10 +70,11 @@ class Layout:
                 shape[d] = length
         return tuple(offset), tuple(shape)
 
-    def overlapping(self, want: Box) -> Iterator[tuple[tuple[int, ...], Box]]:
+    def overlapping(self, want: Box, walk_replicated: bool = True) -> Iterator[tuple[tuple[int, ...], Box]]:
         """Every mesh coordinate whose box meets ``want``, with the overlap, in
         coordinate order. Mesh dimensions that cut a tensor dimension nobody else cuts
-        are searched arithmetically; the rest are walked."""
+        are searched arithmetically; the rest are walked (``walk_replicated=False``: a
+        replicated mesh dimension only at coordinate 0, which holds the same boxes)."""
         cutters: dict[int, list[int]] = {}
         for i, p in enumerate(self.placements):
             if p[0] == "S":
@@ -87,6 +88,8 @@ class Layout:
                     return
                 full = -(-self.global_shape[d] // n)
                 ranges.append(range(lo // full, min(n, (lo + length - 1) // full + 1)) if full else range(0))
+            elif p[0] == "R" and not walk_replicated:
+                ranges.append(range(1))
             else:
                 ranges.append(range(n))
         for coord in itertools.product(*ranges):

@@ -52,14 +52,25 @@ def source_of(rank: int, old_world: int, rule: str) -> int | None:
     return None
 
 
+class _Group:
+    """Old ranks holding one box (they differ only on replicated mesh dimensions), ready
+    to answer "which one does this receiver read" in O(1)."""
+
+    def __init__(self, members: Sequence[int], maps: Maps) -> None:
+        self.members = sorted(members)
+        self.by_node: dict[int, int] = {}
+        for m in self.members:  # the lowest member served on each node
+            self.by_node.setdefault(maps.node_of[maps.server_of[m]], m)
+
+    def pick(self, receiver: int, maps: Maps) -> int:
+        near = self.by_node.get(maps.node_of[receiver])
+        return near if near is not None else self.members[receiver % len(self.members)]
+
+
 def choose_owner(members: Sequence[int], receiver: int, maps: Maps) -> int:
     """Of old ranks holding the same box, the one ``receiver`` reads: one served on its
     own node if any (the lowest), else one picked by its rank (spreading the load)."""
-    home = maps.node_of[receiver]
-    near = [m for m in members if maps.node_of[maps.server_of[m]] == home]
-    if near:
-        return min(near)
-    return sorted(members)[receiver % len(members)]
+    return _Group(members, maps).pick(receiver, maps)
 
 
 def _replicas(lay: Layout, coord: tuple[int, ...]) -> list[int]:
@@ -74,21 +85,25 @@ def _replicas(lay: Layout, coord: tuple[int, ...]) -> list[int]:
     return out
 
 
+def _group(lay: Layout, coord: tuple[int, ...], maps: Maps, cache: dict) -> _Group:  # type: ignore[type-arg]
+    """The group of ``coord``'s box; groups depend only on the mesh, the placements and
+    the coordinate, so tensors cut alike share them."""
+    rdims = lay.replicated_dims()
+    key = (lay.mesh_shape, lay.placements, tuple(0 if i in rdims else c for i, c in enumerate(coord)))
+    g = cache.get(key)
+    if g is None:
+        g = cache[key] = _Group(_replicas(lay, coord), maps)
+    return g
+
+
 def receiver_pieces(rank: int, old: Mapping[str, Layout], mine: Mapping[str, Box], maps: Maps) -> list[Piece]:
     """Every piece ``rank`` needs: per tensor, the overlaps of its box with the old
     shards' boxes (one shard per replicated box), sorted by (old rank, name)."""
-    out = []
+    out, cache = [], {}  # type: ignore[var-annotated]
     for name in sorted(mine):
         lay = old[name]
-        rdims = set(lay.replicated_dims())
-        seen: set[tuple[int, ...]] = set()
-        for coord, inter in lay.overlapping(mine[name]):
-            key = tuple(0 if i in rdims else c for i, c in enumerate(coord))
-            if key in seen:
-                continue
-            seen.add(key)
-            owner = choose_owner(_replicas(lay, coord), rank, maps)
-            out.append(Piece(owner, name, inter))
+        for coord, inter in lay.overlapping(mine[name], walk_replicated=False):
+            out.append(Piece(_group(lay, coord, maps, cache).pick(rank, maps), name, inter))
     out.sort(key=lambda p: (p.owner, p.name))
     return out
 
@@ -98,16 +113,18 @@ def server_pieces(
 ) -> Iterator[tuple[int, Piece]]:
     """(receiver, piece) for every piece of old rank ``owner``'s shard that some current
     rank reads from it, in (name, receiver) order."""
+    cache: dict = {}  # type: ignore[type-arg]
     for name in sorted(old):
         lay = old[name]
-        have = lay.box(coord_of(owner, lay.mesh_shape))
+        mine = coord_of(owner, lay.mesh_shape)
+        have = lay.box(mine)
         if min(have[1], default=1) == 0:
             continue
-        members = _replicas(lay, coord_of(owner, lay.mesh_shape))
+        group = _group(lay, mine, maps, cache)
         nl = new[name]
         for coord, inter in nl.overlapping(have):
             r = rank_of(coord, nl.mesh_shape)
-            if choose_owner(members, r, maps) == owner:
+            if group.pick(r, maps) == owner:
                 yield r, Piece(owner, name, inter)
 
 
