@@ -104,6 +104,10 @@ class Reshard:
             f"resharded from {self.maps.old_world} ranks: {len(pieces)} pieces from {len(servers)} rank(s), "
             f"own values of old rank {src.owner}"
         )
+        if src.owner != self.me:
+            why = "it did not exist in the old world" if self.me >= self.maps.old_world else f"reshard_rank_state={self.rule!r}"
+            log.warning("incluster: rank %d took its own values (plain tensors, RNG, data-loader position) from old "
+                        "rank %d: %s", self.me, src.owner, why)
         return False
 
     # 1. serve ------------------------------------------------------------------------
