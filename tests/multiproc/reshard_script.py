@@ -7,7 +7,8 @@ DTensor gathered) to OUT_DIR/full-save.pt. ``load``: build the same model at thi
 size, load, write the full state to OUT_DIR/full-load.pt, then train one step and save
 step 4 (training goes on at the new size). Each rank writes OUT_DIR/result-PHASE-rR.json.
 With RESHARD_PERSISTENT=DIR every save also goes to that persistent folder;
-RESHARD_MESH_SAVE / RESHARD_MESH_LOAD="2,2" make that phase HSDP on a 2 x 2 mesh.
+RESHARD_MESH_SAVE / RESHARD_MESH_LOAD="2,2" make that phase HSDP on a 2 x 2 mesh;
+RESHARD_RULE sets reshard_rank_state.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def main() -> int:
     model, optim = build(world, tuple(int(x) for x in mesh.split(",")) if mesh else (world,))
     state = {"model": model, "optim": optim, "loader": {"position": 1000 + rank}}
     tier = os.environ.get("RESHARD_PERSISTENT")  # a folder: every save also goes there
-    ck = incluster.Checkpointer(job="reshard", replicas=1, slot_timeout_s=60, persistent=tier, persistent_every=1)
+    rule = os.environ.get("RESHARD_RULE", "same-rank")
+    ck = incluster.Checkpointer(job="reshard", replicas=1, slot_timeout_s=60, persistent=tier, persistent_every=1,
+                                reshard_rank_state=rule)
     res: dict = {"world": world}
     try:
         if phase == "save":

@@ -102,3 +102,27 @@ def test_same_world_size_on_another_mesh_is_resharded(local_dir):
     _same_full_state(out)
     assert [r["loaded"] for r in res] == [3] * 4 and {r["source"] for r in res} == {"reshard"}, res
     assert all(any("another mesh" in n for n in r["notes"]) for r in res), res
+
+
+def test_a_persistent_step_on_another_mesh_at_the_same_size_is_resharded(local_dir):
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    tier = os.path.join(local_dir, "persistent")
+    nodes = ["n0", "n1", "n2", "n3"]
+    _run(local_dir, out, "save", nodes, {"RESHARD_PERSISTENT": tier, "RESHARD_MESH_SAVE": "2,2"})
+    for n in nodes:
+        shutil.rmtree(os.path.join(local_dir, n))
+    res = _run(local_dir, out, "load", ["m0", "m1", "m2", "m3"], {"RESHARD_PERSISTENT": tier})
+    _same_full_state(out)
+    assert [r["loaded"] for r in res] == [3] * 4 and {r["source"] for r in res} == {"reshard"}, res
+
+
+def test_ranks_that_disagree_on_the_rule_stop_together_with_the_reason(local_dir):
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    _run(local_dir, out, "save", ["n0", "n1", "n2", "n3"])
+    job = launch([SCRIPT, out, "load"], nodes=["n0", "n1", "n2"], ranks_per_node=1, base_dir=local_dir,
+                 rank_env={1: {"RESHARD_RULE": "rank0"}})
+    codes = job.wait(120)  # no hang: every rank stops at the same collective
+    assert all(c != 0 for c in codes), codes
+    assert all("disagree" in job.output(r) for r in range(3)), [job.output(r)[-1500:] for r in range(3)]

@@ -25,7 +25,7 @@ log = logging.getLogger("incluster")
 
 def persistent_plan(
     ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int, int]], shared: dict[str, Any] | None = None,
-    node_index: list[int] | None = None,
+    node_index: list[int] | None = None, remesh: bool = False,
 ) -> list[RankPlan] | None:
     """Rank 0: plans to restore from tier 2 when its newest manifested step is newer than
     the newest complete in-cluster step (a tie prefers the cluster's RAM). A step of
@@ -52,8 +52,8 @@ def persistent_plan(
             log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)
             exclude.add(("<persistent>", -1, step))
             continue
-        if world != ctx.world_size:
-            if shared is None or node_index is None or ctx.rank_state == "refuse":
+        if world != ctx.world_size or remesh:
+            if shared is None or node_index is None or (ctx.rank_state == "refuse" and world != ctx.world_size):
                 log.warning("incluster: persistent step %d was saved by %d ranks; this job has %d", step, world,
                             ctx.world_size)
                 exclude.add(("<persistent>", -1, step))
@@ -63,12 +63,13 @@ def persistent_plan(
             mine: dict[int, list[Any]] = {r: [] for r in range(ctx.world_size)}
             for o in range(world):
                 mine[server_of[o]].append(records[o])
-            return [RankPlan(step, None, (), "persistent", {"reshard": mine[r]}, world=world) for r in range(ctx.world_size)]
+            return [RankPlan(step, None, (), "persistent", {"reshard": mine[r]}, world=world, reshard=True)
+                    for r in range(ctx.world_size)]
         return [RankPlan(step, None, (), "persistent", records[r]) for r in range(ctx.world_size)]
     return None
 
 
-def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]]) -> str | None:
+def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: int) -> str | None:
     """Download the old shards this rank serves in a resharding restore from tier 2 into
     their old ranks' folders on this node, each verified against its sidecar and the
     manifest before it is committed. None, or what went wrong."""
@@ -91,7 +92,7 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]]) -> str 
             sc = parse_received_sidecar(
                 ctx.persistent.read(base + ".json"), where, rank=owner, step=step, job=ctx.job, size=expect.size
             )
-            if sc.checksum != expect:
+            if sc.checksum != expect or sc.world_size != world:
                 return f"{where}: sidecar and manifest disagree"
             folder = rank_folder(ctx.local_dir, ctx.job, owner)
             os.makedirs(folder, mode=0o700, exist_ok=True)

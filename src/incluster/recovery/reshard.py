@@ -34,7 +34,7 @@ import torch
 
 from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.format.dtypes import NAME_TO_DTYPE
-from incluster.format.reader import parse_header
+from incluster.format.reader import MAX_HEADER_BYTES, parse_header
 from incluster.format.sidecar import MAX_SIDECAR_BYTES
 from incluster.recovery.boxes import local_slices
 from incluster.recovery.landing import direct_targets
@@ -81,7 +81,8 @@ class Reshard:
             problem, bad = self._serve()
             if collect(bad):
                 return True
-            self._stop_together(problem)
+            # the rule and both world sizes decide who talks to whom next: agree on them first
+            self._stop_together(problem, layout_digest({}, {}, self.rule, self.maps.old_world * 1_000_003 + self.world))
             try:
                 src: Shard | None = self._source()
             except CheckpointError as exc:  # after every message of the round: the others stop with us
@@ -123,8 +124,12 @@ class Reshard:
                 _uncommit(ctx, o, self.step)
                 bad.append((ctx.node, o, self.step))
                 continue
-            except CheckpointError as exc:
-                problem = problem or str(exc)
+            except (CheckpointError, OSError) as exc:  # OSError: its files went away meanwhile
+                if isinstance(exc, OSError):
+                    bad_copy(ctx, self.report, o, self.step, exc)
+                    bad.append((ctx.node, o, self.step))
+                else:
+                    problem = problem or str(exc)
                 continue
             self.served[o] = shard
             try:
@@ -134,7 +139,7 @@ class Reshard:
                 self.outbox[o] = list(server_pieces(o, shard.old, live.new, self.maps))
                 spans = [(0, shard.header.data_start)]
                 spans += [byte_span(shard, p.name, p.box) for _, p in self.outbox[o]]
-                if any(source_of(r, self.maps.old_world, self.rule) == o for r in range(self.world)):
+                if any(source_of(r, self.maps.old_world, self.rule, self.world) == o for r in range(self.world)):
                     spans += [(t.offset, t.offset + t.nbytes) for t in map(shard.header.tensors.__getitem__, shard.rest())]
                 verify_spans(shard, spans, shard.reader.path)  # type: ignore[union-attr]
             except CorruptCheckpointError as exc:
@@ -143,6 +148,8 @@ class Reshard:
                 bad.append((ctx.node, o, self.step))
             except CheckpointError as exc:
                 problem = problem or str(exc)
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the next collective
+                problem = problem or f"{type(exc).__name__}: {exc}"
         return problem, bad
 
     def _stop_together(self, problem: str | None, layout: int = 0) -> None:
@@ -170,7 +177,7 @@ class Reshard:
         """The shard whose own values this rank takes: served here, or its sidecar and
         header received from its server."""
         dist, maps, old = _dist(), self.maps, self.maps.old_world
-        src = source_of(self.me, old, self.rule)
+        src = source_of(self.me, old, self.rule, self.world)
         if src is None:  # "refuse" (a setting every rank shares): nobody sends either
             raise CheckpointError(
                 f"step {self.step} was saved by {old} ranks and this job has {self.world}; reshard_rank_state="
@@ -178,7 +185,7 @@ class Reshard:
                 f"'same-rank' or 'rank0'"
             )
         to = [(r, self.served[o]) for r in range(self.world) if r != self.me
-              for o in [source_of(r, old, self.rule)] if o is not None and o in self.served]
+              for o in [source_of(r, old, self.rule, self.world)] if o is not None and o in self.served]
         meta = torch.zeros(3, dtype=torch.int64, device=_wire_device())
         remote = maps.server_of[src] != self.me
         ops = [dist.P2POp(dist.irecv, meta, maps.server_of[src])] if remote else []
@@ -186,18 +193,22 @@ class Reshard:
             h = [len(sh.sidecar_raw), sh.header.data_start, sh.header.file_size]
             ops.append(dist.P2POp(dist.isend, torch.tensor(h, dtype=torch.int64, device=meta.device), r))
         _run(dist, ops)
-        ops, bufs = [], []
+        ops, bufs, bad = [], [], None
         if remote:
             n_sc, n_hdr, size = (int(x) for x in meta.cpu())
-            if not (0 < n_sc <= MAX_SIDECAR_BYTES and 8 <= n_hdr <= size):
-                raise CheckpointError(f"rank {maps.server_of[src]} announced a {n_sc}-byte sidecar and a {n_hdr}-byte header")
-            bufs = [torch.empty(n, dtype=torch.uint8, device=meta.device) for n in (n_sc, n_hdr)]
-            ops = [dist.P2POp(dist.irecv, b, maps.server_of[src]) for b in bufs]
+            if not (0 < n_sc <= MAX_SIDECAR_BYTES and 8 <= n_hdr <= min(size, 8 + MAX_HEADER_BYTES)):
+                # refused before allocating; this rank's own sends below still go out
+                bad = f"rank {maps.server_of[src]} announced a {n_sc}-byte sidecar and a {n_hdr}-byte header"
+            else:
+                bufs = [torch.empty(n, dtype=torch.uint8, device=meta.device) for n in (n_sc, n_hdr)]
+                ops = [dist.P2POp(dist.irecv, b, maps.server_of[src]) for b in bufs]
         for r, sh in to:
             raw = torch.frombuffer(bytearray(sh.sidecar_raw), dtype=torch.uint8)
             hdr = sh.reader.raw()[: sh.header.data_start]  # type: ignore[union-attr]
             ops += [dist.P2POp(dist.isend, b.to(meta.device), r) for b in (raw, hdr)]
         _run(dist, ops)
+        if bad is not None:
+            raise CheckpointError(bad)
         if not remote:
             return self.served[src]
         sc_buf, hdr_buf = bufs
@@ -215,8 +226,8 @@ class Reshard:
                 if sh.old != src.old or self.new[o] != live.new:
                     raise CheckpointError(f"old rank {o}'s tensors are cut unlike old rank {src.owner}'s")
             pieces = receiver_pieces(self.me, src.old, live.box, self.maps)
-        except (CheckpointError, CorruptCheckpointError) as exc:
-            return None, [], str(exc), 0
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the next collective
+            return None, [], f"{exc}" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}", 0
         return live, pieces, None, layout_digest(src.old, live.new, self.rule, self.maps.old_world)
 
     # 4. move -------------------------------------------------------------------------
@@ -276,7 +287,7 @@ class Reshard:
                     per[r].append(p)
         old = self.maps.old_world
         rest_to = {r: o for r in range(self.world) if r != self.me
-                   for o in [source_of(r, old, self.rule)] if o is not None and o in self.served}
+                   for o in [source_of(r, old, self.rule, self.world)] if o is not None and o in self.served}
         out: dict[int, list[torch.Tensor]] = {}
         for r in sorted(set(per) | set(rest_to)):
             items = [view_of(self.served[p.owner], p.name, p.box) for p in sorted(per.get(r, ()), key=lambda p: (p.owner, p.name))]

@@ -42,9 +42,12 @@ class Piece:
     box: Box  # where it lies in the global tensor
 
 
-def source_of(rank: int, old_world: int, rule: str) -> int | None:
+def source_of(rank: int, old_world: int, rule: str, new_world: int | None = None) -> int | None:
     """The old rank whose own values (those DTensor placements do not cut) ``rank`` takes;
-    None when the rule refuses."""
+    None when the rule refuses. At the same world size (another mesh) every rank keeps its
+    own, whatever the rule."""
+    if new_world == old_world:
+        return rank
     if rule == "rank0":
         return 0
     if rule == "same-rank":

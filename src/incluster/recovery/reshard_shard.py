@@ -127,8 +127,6 @@ def live_layout(state: Mapping[str, Any], shard: Shard, rank: int, world: int, a
                 f"{path}: the live mesh {lay.mesh_shape} is not laid over all {world} ranks in order "
                 f"(init_device_mesh); a resharding restore needs one"
             )
-        if not local.is_contiguous():
-            raise CheckpointError(f"{path}: the live local tensor is not contiguous; it cannot be restored in place")
         live.new[name], live.box[name], live.local[name], live.desc[name] = lay, box, local, desc
     return live
 

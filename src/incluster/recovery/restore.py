@@ -163,7 +163,7 @@ class _Run:
             if mine.world is not None and (mine.world != ctx.world_size or mine.reshard):
                 self.dirty, self.loaded = self.dirty or self.loaded is not None, None
                 if mine.persistent is not None:  # tier 2 first: each old shard into one node's RAM
-                    problem = fetch_old_shards(ctx, mine.step, mine.persistent.get("reshard", []))
+                    problem = fetch_old_shards(ctx, mine.step, mine.persistent.get("reshard", []), mine.world)
                     report.notes.append("old shards fetched from the persistent tier")
                     if problem is not None:
                         log.warning("incluster: %s; the persistent step is set aside", problem)
@@ -184,8 +184,13 @@ class _Run:
                 if problem is not None:
                     log.warning("incluster: %s; the persistent step is set aside", problem)
                     report.notes.append(problem)
-                elif self.loaded != mine.step and self._load_local(mine):
-                    problem = "its downloaded copy failed verification"
+                elif self.loaded != mine.step:
+                    found = self._load_local(mine)
+                    if any(b[0] == MESH for b in found):  # the next plan reshards the same step
+                        if self._collect(found):
+                            continue
+                    elif found:
+                        problem = "its downloaded copy failed verification"
                 if self._collect([("<persistent>", -1, mine.step)] if problem else []):
                     continue
                 report.source = "persistent"
@@ -238,8 +243,10 @@ class _Run:
             if received.landing is None:  # set by prepare() whenever no problem was found
                 raise CheckpointError("a received shard has no landing; please report this")
             if received.sidecar is not None and mesh_changed(self.state, received.sidecar.tree, ctx.allow_pickle):
-                self.received = None  # its bytes are in scratch memory only: nothing landed
+                self.received = None
                 received.abandon()
+                if received.landing.placed:  # plain tensors may have landed in the live state
+                    self.dirty, self.loaded = True, None
                 return [_mesh_marker(self.report, step)]
             try:
                 self._apply(step, received.sidecar, received.landing)
@@ -338,8 +345,8 @@ def _mesh_marker(report: RestoreReport, step: int) -> tuple[str, int, int]:
 def _check_world(sc: Any, ctx: Context, step: int) -> None:
     if sc.world_size != ctx.world_size:
         raise CheckpointError(
-            f"step {step} was saved by {sc.world_size} ranks but this job has {ctx.world_size}; "
-            f"resharding in place is not supported - assemble a full state with `incluster export`"
+            f"step {step} was saved by {sc.world_size} ranks but this job has {ctx.world_size} and the plan "
+            f"did not reshard it; please report this"
         )
 
 
@@ -382,7 +389,8 @@ def _plan_round(
                 holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
         remesh = any(e[0] == MESH for e in exclude)
         plan = make_plan(topo, holdings, exclude, force_reshard=remesh)
-        persisted = persistent_plan(ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of])
+        persisted = persistent_plan(ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of],
+                                    remesh=remesh)
         if persisted is not None:
             plans = persisted
         elif plan.step is None and plan.missing:
