@@ -1,5 +1,7 @@
 """``incluster demo``: a simulated cluster loses a node, a hot spare takes its place, two
 surviving nodes swap positions, and training resumes from the cluster's own RAM.
+``--no-spare``: no node takes its place; the job restarts on the surviving nodes (fewer
+ranks, the state sharded with FSDP2) and restores the same step resharded from their RAM.
 
 Every rank is a real process running ``train_tiny_gpt.py`` (the script in examples/) with
 the environment torchrun would give it plus its node's name and RAM folder; gloo on
@@ -27,8 +29,12 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_tiny_gp
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="simulated cluster: node failure, hot spare, recovery from peers")
-    p.add_argument("--nodes", type=int, default=4, help="nodes in the job (default 4), plus one hot spare")
+    p = sub.add_parser("demo", help="simulated cluster: node failure, hot spare (or fewer ranks, resharded), recovery from peers")
+    p.add_argument("--nodes", type=int, default=4, help="nodes in the job (default 4), plus one hot spare per failure unless --no-spare")
+    p.add_argument("--no-spare", action="store_true",
+                   help="no hot spare: restart on the surviving nodes (fewer ranks), state resharded from their RAM")
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
+                   help="replicate the model (ddp) or shard it (fsdp, FSDP2); default: fsdp with --no-spare, else ddp")
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-every", type=int, default=5)
@@ -76,18 +82,24 @@ def run(args: argparse.Namespace) -> int:
 
     con = Console()
     rng = random.Random(args.seed)
-    names = [chr(ord("A") + i) for i in range(args.nodes + args.failures)]
+    if args.no_spare and args.nodes - args.failures < 2:
+        con.print(f"[red]--no-spare needs at least 2 nodes left after {args.failures} failure(s): use --nodes {args.failures + 2} or more[/]")
+        return 2
+    parallel = args.parallel = args.parallel or ("fsdp" if args.no_spare else "ddp")
+    names = [chr(ord("A") + i) for i in range(args.nodes + (0 if args.no_spare else args.failures))]
     nodes, spares = names[: args.nodes], names[args.nodes :]
-    world = args.nodes * args.ranks_per_node
     base = tempfile.mkdtemp(prefix="incluster-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     persistent = tempfile.mkdtemp(prefix="incluster-demo-persistent-")
     run_dir = os.path.join(base, "events")
     common = [SCRIPT, "--steps", str(args.steps), "--save-every", str(args.save_every),
               "--persistent", persistent, "--persistent-every", str(args.persistent_every),
               "--dim", str(args.dim), "--layers", str(args.layers), "--run-dir", run_dir]
+    common += ["--fsdp"] if parallel == "fsdp" else []
     env = {"INCLUSTER_JOB": "demo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    con.print(f"[bold]incluster demo[/]: {args.nodes} nodes x {args.ranks_per_node} rank(s), hot spare(s) "
-              f"{', '.join(spares)}; RAM folders under {base}, persistent tier {persistent}")
+    spare_text = "no hot spare" if args.no_spare else f"hot spare(s) {', '.join(spares)}"
+    con.print(f"[bold]incluster demo[/]: {args.nodes} nodes x {args.ranks_per_node} rank(s) "
+              f"({'FSDP2, state sharded' if parallel == 'fsdp' else 'DDP, state replicated'}), {spare_text}; "
+              f"RAM folders under {base}, persistent tier {persistent}")
     phases: list[dict[str, Any]] = []
     whatif: dict[str, Any] = {}
     whatif_layout: list[str] = []
@@ -95,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         layout = list(nodes)
         for attempt in range(args.failures + 1):
             last = attempt == args.failures
+            world = len(layout) * args.ranks_per_node
             folder = os.path.join(base, f"reports-{attempt}")
             os.makedirs(folder)
             job = launch(common + ["--report", folder], nodes=layout, ranks_per_node=args.ranks_per_node,
@@ -102,30 +115,30 @@ def run(args: argparse.Namespace) -> int:
             kill_at = None if last else rng.randint(2 * args.save_every + 1, max(2 * args.save_every + 2, int(args.steps * 0.6)))
             victim = None if last else rng.choice([n for n in layout])
             phase = _watch(con, job, folder, world, layout, kill_at, victim, base, args.steps)
+            phase["world"] = world
             phases.append(phase)
             if phase.get("failed"):
                 return 1
             if last:
                 break
             survivors = [n for n in layout if n != victim]
-            spare = spares[attempt]
-            layout = [spare if n == victim else n for n in layout]
-            a, b = rng.sample(range(len(layout)), 2) if len(survivors) >= 2 else (0, 0)
-            while spare in (layout[a], layout[b]) and len(layout) > 2:
-                a, b = rng.sample(range(len(layout)), 2)
-            layout[a], layout[b] = layout[b], layout[a]
-            con.print(f"[yellow]node {victim} lost (SIGKILL, RAM folder gone) at step {phase['progress']}[/]; "
-                      f"spare {spare} takes its place, {layout[b]} and {layout[a]} swap positions: "
-                      f"{' '.join(layout)}")
+            if args.no_spare:
+                con.print(f"[yellow]node {victim} lost (SIGKILL, RAM folder gone) at step {phase['progress']}[/]; "
+                          f"no spare: the job restarts on the {len(survivors)} surviving nodes {' '.join(survivors)} "
+                          f"({world} -> {len(survivors) * args.ranks_per_node} ranks), the state resharded from their RAM")
+                layout = survivors
+            else:
+                layout = _replace(con, rng, layout, victim, spares[attempt], phase["progress"])
             if attempt == 0:  # the persistent tier as it is at this failure, for the what-if
                 shutil.copytree(persistent, os.path.join(persistent + "-at-failure"))
                 whatif_layout = list(layout)
         if whatif_layout:  # measured after the run, so the run's own timeline stays true
-            whatif = _whatif(con, common, base, whatif_layout, args, env, world, persistent + "-at-failure")
+            whatif = _whatif(con, common, base, whatif_layout, args, env, len(whatif_layout) * args.ranks_per_node,
+                             persistent + "-at-failure")
         from incluster.demo.report import render
 
         render(con, phases, whatif, run_dir, args, persistent)
-        ok = all(p.get("bitwise", True) and p.get("loss_same", True) for p in phases[1:])
+        ok = all(p.get("bitwise", True) and p.get("loss_same", True) and p.get("resharded", True) for p in phases[1:])
         return 0 if ok else 1
     finally:
         if args.keep_files:
@@ -134,6 +147,18 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(base, ignore_errors=True)
             shutil.rmtree(persistent, ignore_errors=True)
             shutil.rmtree(persistent + "-at-failure", ignore_errors=True)
+
+
+def _replace(con: Any, rng: random.Random, layout: list[str], victim: str | None, spare: str, progress: int) -> list[str]:
+    """The spare takes the victim's place and two nodes swap positions."""
+    layout = [spare if n == victim else n for n in layout]
+    a, b = rng.sample(range(len(layout)), 2) if len(layout) >= 3 else (0, 0)
+    while spare in (layout[a], layout[b]) and len(layout) > 2:
+        a, b = rng.sample(range(len(layout)), 2)
+    layout[a], layout[b] = layout[b], layout[a]
+    con.print(f"[yellow]node {victim} lost (SIGKILL, RAM folder gone) at step {progress}[/]; "
+              f"spare {spare} takes its place, {layout[b]} and {layout[a]} swap positions: {' '.join(layout)}")
+    return layout
 
 
 def _watch(con: Any, job: Job, folder: str, world: int, layout: list[str], kill_at: int | None,

@@ -16,7 +16,30 @@ def _source(rep: dict[str, Any]) -> str:
         return f"peer RAM: rank {r.get('source_rank')} on node {r.get('source_node')}"
     if r.get("source") == "persistent":
         return "persistent tier"
+    if r.get("source") == "reshard":
+        fetched = any("persistent tier" in n for n in r.get("notes") or ())
+        return "persistent tier, resharded" if fetched else "surviving nodes' RAM, resharded"
     return "nothing"
+
+
+def _saved(earlier: list[dict[str, Any]], step: Any, rank: int) -> str | None:
+    """The digest of ``step`` as saved by the newest earlier phase that saved it. The
+    digests are of the whole state (sharded values gathered), so any world size compares."""
+    for p in reversed(earlier):
+        got = p["reports"].get(rank % max(1, p.get("world", 1)), {}).get("saved", {}).get(str(step))
+        if got is not None:
+            return str(got)
+    return None
+
+
+def _loss(earlier: list[dict[str, Any]], step: int) -> Any:
+    """Rank 0's loss at ``step`` in the newest earlier phase that trained it (its batch
+    does not depend on the world size)."""
+    for p in reversed(earlier):
+        got = p["reports"].get(0, {}).get("losses", {}).get(str(step))
+        if got is not None:
+            return got
+    return None
 
 
 def render(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], run_dir: str,
@@ -27,8 +50,11 @@ def render(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], run_d
     for i in range(1, len(phases)):
         before, after = phases[i - 1], phases[i]
         reps = after["reports"]
-        table = Table(title=f"Recovery {i}: node {before['victim']} lost at step {before['progress']}; "
-                            f"layout now {' '.join(after['layout'])}")
+        old_world, new_world = before.get("world", len(before["reports"])), after.get("world", len(reps))
+        elastic = old_world != new_world
+        now = (f"no spare: {old_world} -> {new_world} ranks on {' '.join(after['layout'])}" if elastic
+               else f"layout now {' '.join(after['layout'])}")
+        table = Table(title=f"Recovery {i}: node {before['victim']} lost at step {before['progress']}; {now}")
         for col in ("rank", "node", "restored step", "from", "MB", "seconds", "bitwise"):
             table.add_column(col, justify="right" if col in ("rank", "restored step", "MB", "seconds") else "left")
         per_source: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -36,7 +62,7 @@ def render(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], run_d
         for r in sorted(reps):
             rep = reps[r]
             step = rep.get("restored")
-            saved = before["reports"].get(r, {}).get("saved", {}).get(str(step))
+            saved = _saved(phases[:i], step, r)
             same = saved is not None and saved == rep.get("restored_digest")
             all_same &= same
             restore = rep.get("restore") or {}
@@ -47,6 +73,10 @@ def render(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], run_d
                           f"{restore.get('seconds', 0.0):.3f}", "[green]yes[/]" if same else "[red]NO[/]")
         after["bitwise"] = all_same
         con.print(table)
+        if elastic:
+            after["resharded"] = bool(reps) and all((rep.get("restore") or {}).get("source") == "reshard" for rep in reps.values())
+            for note in (reps.get(0, {}).get("restore") or {}).get("notes", []):
+                con.print(f"  rank 0: {note}")
         step = reps[0].get("restored")
         lost = before["progress"] - (step if step is not None else -1)
         for src, (nbytes, secs) in sorted(per_source.items()):
@@ -54,19 +84,41 @@ def render(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], run_d
         con.print(f"  steps lost: {lost} (progress {before['progress']} -> restored {step}), "
                   f"about {lost * step_s:.1f} s of training at {step_s:.2f} s/step")
         if step is not None:
-            nxt = str(step + 1)
-            l1 = before["reports"].get(0, {}).get("losses", {}).get(nxt)
-            l2 = after["reports"].get(0, {}).get("losses", {}).get(nxt)
+            nxt = step + 1
+            l1, l2 = _loss(phases[:i], nxt), after["reports"].get(0, {}).get("losses", {}).get(str(nxt))
             if l1 is not None and l2 is not None:
                 verdict = "identical" if l1 == l2 else "DIFFERENT"
                 after["loss_same"] = l1 == l2
                 con.print(f"  loss at step {nxt}: {l1} before the failure, {l2} after recovery ({verdict})")
             else:
                 con.print(f"  the failure came right after step {step}'s checkpoint: no step is trained twice")
-        con.print(f"  restored state checksum matches the saved one on every rank: "
-                  f"{'[green]yes[/]' if all_same else '[red]NO[/]'}")
+        if elastic:
+            whole = "every shard gathered" if args.parallel == "fsdp" else "each rank's full replica"
+            saved_by = (reps.get(0, {}).get("restore") or {}).get("old_world") or old_world
+            con.print(f"  the whole restored state ({whole}) on {new_world} ranks is bitwise the one "
+                      f"{saved_by} ranks saved: {'[green]yes[/]' if all_same else '[red]NO[/]'}")
+            _went_on(con, before, after, new_world)
+        else:
+            con.print(f"  restored state checksum matches the saved one on every rank: "
+                      f"{'[green]yes[/]' if all_same else '[red]NO[/]'}")
     _whatif(con, phases, whatif, args, step_s)
     _goodput(con, run_dir, args)
+    gone = sorted(range(phases[-1].get("world", 0), max(p.get("world", 0) for p in phases)))
+    if gone:
+        con.print(f"  (rank(s) {', '.join(map(str, gone))} ended with their node: in the goodput above, their share "
+                  f"of the time after that counts as 'other')")
+
+
+def _went_on(con: Any, before: dict[str, Any], after: dict[str, Any], world: int) -> None:
+    """Training after an elastic restart: rank 0's loss from the first step trained again to the last."""
+    losses = {int(k): v for k, v in after["reports"].get(0, {}).get("losses", {}).items()}
+    if not losses:
+        con.print("  [red]no step was trained after the restore[/]")
+        return
+    first, last = min(losses), max(losses)
+    con.print(f"  training went on with {world} ranks: rank 0's loss {losses[first]} at step {first} -> "
+              f"{losses[last]} at step {last} (after step {first} the global batch is {world}/{before.get('world')} "
+              f"of the old one, so the losses no longer match the old run's)")
 
 
 def _whatif(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], args: argparse.Namespace, step_s: float) -> None:

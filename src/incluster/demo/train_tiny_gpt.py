@@ -136,7 +136,8 @@ def main() -> None:
     report: dict = {"rank": rank, "world": dist.get_world_size(), "node": ckpt.config.node, "restored": start,
                     "load_s": time.perf_counter() - t}
     if ckpt.last_restore is not None:
-        report["restore"] = {k: getattr(ckpt.last_restore, k) for k in ("source", "source_rank", "source_node", "bytes", "seconds", "notes")}
+        fields = ("source", "source_rank", "source_node", "old_world", "bytes", "seconds", "notes")
+        report["restore"] = {k: getattr(ckpt.last_restore, k, None) for k in fields}
     report["restored_digest"] = digest(state)
     report["saved"], report["losses"] = {}, {}
     out = os.path.join(args.report, f"rank-{rank}.json") if args.report else None
