@@ -186,7 +186,8 @@ def _watch(con: Any, job: Job, folder: str, world: int, layout: list[str], kill_
             if all(c is not None for c in codes):
                 if any(c != 0 for c in codes):
                     bad = next(r for r, c in enumerate(codes) if c != 0)
-                    con.print(f"[red]rank {bad} failed (exit {codes[bad]}); its log:[/]\n{job.output(bad)[-3000:]}")
+                    con.print(f"[red]rank {bad} failed (exit {codes[bad]}); its log:[/]")
+                    con.print(job.output(bad)[-3000:], markup=False, highlight=False)  # logs hold '[...]'
                     phase["failed"] = True
                 phase["progress"] = step
                 break

@@ -125,7 +125,8 @@ def _whatif(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], args
     if len(phases) < 2 or not whatif:
         return
     if whatif.get("failed"):
-        con.print(f"[red]the persistent-tier what-if restore failed[/] {whatif.get('log', '')}")
+        con.print("[red]the persistent-tier what-if restore failed[/]")
+        con.print(whatif.get("log", ""), markup=False, highlight=False)
         return
     reps = whatif["reports"]
     p_step = reps[0].get("restored")
