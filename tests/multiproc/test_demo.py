@@ -18,9 +18,9 @@ def test_demo_recovers_from_peers_bitwise(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "incluster", "demo", "--nodes", "3", "--steps", "16", "--save-every", "2",
          "--dim", "64", "--layers", "2", "--seed", "3", "--timeline", str(png)],
-        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        capture_output=True, text=True, timeout=400, cwd=tmp_path, env={**os.environ, "COLUMNS": "250"},
     )
-    text = out.stdout.replace("\n", " ")
+    text = " ".join(out.stdout.split())
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "spare D takes its place" in text
     # from the other nodes' RAM, or from the persistent tier when its newest step is newer
@@ -30,7 +30,7 @@ def test_demo_recovers_from_peers_bitwise(tmp_path):
     assert "(identical)" in text or "no step is trained twice" in text
     assert "DIFFERENT" not in text and "Same failure, persistent tier only" in text
     assert png.exists() and png.stat().st_size > 1000
-    base = out.stdout.split("RAM folders under ", 1)[1].split(",", 1)[0].split()[0]
+    base = text.split("RAM folders under ", 1)[1].split(",", 1)[0].split()[0]
     assert base.startswith("/") and not os.path.exists(base), "the demo must remove its RAM folders"
 
 
@@ -53,5 +53,5 @@ def test_demo_without_spare_goes_on_with_fewer_ranks_resharded(tmp_path):
     assert "DIFFERENT" not in text and " NO " not in text
     assert re.search(r"training went on with 2 ranks: rank 0's loss [\d.]+ at step \d+ -> [\d.]+ at step 15 ", text), text
     assert "Same failure, persistent tier only" in text
-    base = out.stdout.split("RAM folders under ", 1)[1].split(",", 1)[0].split()[0]
+    base = text.split("RAM folders under ", 1)[1].split(",", 1)[0].split()[0]
     assert base.startswith("/") and not os.path.exists(base), "the demo must remove its RAM folders"

@@ -7,14 +7,18 @@ for outcomes, so a slow peer never stalls the next local commit.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from typing import Any, Callable
 
 from incluster.commit import Coordinator, SoloCoordinator, StoreCoordinator
+from incluster.errors import CheckpointError
 from incluster.testing import faults
 from incluster.writer.local_commit import CommitRequest, commit_shard
 from incluster.writer.protocol import WriterParams
+
+log = logging.getLogger("incluster")
 
 
 def _coordinator(params: WriterParams) -> Coordinator:
@@ -120,15 +124,23 @@ class CommitService:
         from incluster.format.checksum import content_id
         from incluster.format.sidecar import read_sidecar
         from incluster.replication import OwnShard
-        from incluster.staging.slots import sidecar_file, step_file
+        from incluster.staging.slots import sidecar_file
+        from incluster.tiers.local import data_path
 
         if not os.path.exists(os.path.join(folder, sidecar_file(step))):
             # This node's copy could not be written (a full RAM disk): nothing to send, but
             # take part, so partners re-sending theirs do not wait for us.
             self.replicator.exchange(step, None, _NoCount())  # type: ignore[arg-type]
             return
-        sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
-        fd = os.open(os.path.join(folder, step_file(step)), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
+            # a shared copy's bytes are a data-parallel peer's file on this node
+            fd = os.open(data_path(folder, sc), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except (OSError, CheckpointError) as exc:  # gone meanwhile: take part, send nothing
+            log.warning("incluster: rank %d cannot re-send step %d (%s); its partners keep what they hold",
+                        self.params.rank, step, exc)
+            self.replicator.exchange(step, None, _NoCount())  # type: ignore[arg-type]
+            return
         try:
             size = os.fstat(fd).st_size
             mm = mmap.mmap(fd, size) if size else None
