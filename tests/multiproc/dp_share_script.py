@@ -1,6 +1,6 @@
 """Data-parallel ranks whose shards are byte-identical share their replicas.
 
-    python dp_share_script.py OUT_DIR PHASE     (PHASE: save or load; replicas=2)
+    python dp_share_script.py OUT_DIR PHASE [REPLICAS]    (PHASE: save or load; replicas 2 unless given)
 
 Every rank holds the same model and optimizer (same seed, same data: what data
 parallelism keeps identical) plus a value of its own. ``save``: train 2 steps, save step
@@ -38,7 +38,8 @@ def main() -> int:
     rank = dist.get_rank()
     model, optim = build()
     state = {"model": model, "optim": optim, "own": {"rank": rank, "position": 100 * rank}}
-    ck = incluster.Checkpointer(job="dpshare", replicas=2, slot_timeout_s=60)
+    replicas = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    ck = incluster.Checkpointer(job="dpshare", replicas=replicas, slot_timeout_s=60)
     res: dict = {}
     try:
         if phase == "save":

@@ -20,8 +20,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "dp_share_script.py")
 NODES = ["n0", "n1", "n2", "n3"]
 
 
-def _run(local_dir: str, out: str, phase: str, nodes: list[str]) -> list[dict]:
-    job = launch([SCRIPT, out, phase], nodes=nodes, ranks_per_node=1, base_dir=local_dir)
+def _run(local_dir: str, out: str, phase: str, nodes: list[str], replicas: int = 2) -> list[dict]:
+    job = launch([SCRIPT, out, phase, str(replicas)], nodes=nodes, ranks_per_node=1, base_dir=local_dir)
     codes = job.wait(180)
     assert codes == [0] * len(nodes), [job.output(r)[-3000:] for r in range(len(nodes))]
     return [json.load(open(os.path.join(out, f"result-{phase}-r{r}.json"))) for r in range(len(nodes))]
@@ -29,6 +29,14 @@ def _run(local_dir: str, out: str, phase: str, nodes: list[str]) -> list[dict]:
 
 def _step(local_dir: str, node: str, owner: int, ext: str) -> str:
     return os.path.join(local_dir, node, "dpshare", f"rank-{owner:05d}", f"step-000000000002.{ext}")
+
+
+def _flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 4)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
 
 
 def test_identical_shards_share_replicas_and_restore_a_lost_node(local_dir):
@@ -44,12 +52,7 @@ def test_identical_shards_share_replicas_and_restore_a_lost_node(local_dir):
             assert sc.rank == owner and sc.extra["shared_with"] == i and sc.extra["replica_on"] == node
             assert not os.path.exists(_step(local_dir, node, owner, "safetensors"))
     shutil.rmtree(os.path.join(local_dir, "n1"))  # rank 1's own copy is gone
-    path = _step(local_dir, "n2", 2, "safetensors")  # rank 2's shard: also rank 1's shared copy on n2
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 4)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip_last_byte(_step(local_dir, "n2", 2, "safetensors"))  # rank 2's shard: also rank 1's shared copy on n2
     res = _run(local_dir, out, "load", ["n0", "spare", "n2", "n3"])
     assert [r["loaded"] for r in res] == [2] * 4, res
     assert all(r["equal"] and r["optim_state"] for r in res), res
@@ -57,3 +60,26 @@ def test_identical_shards_share_replicas_and_restore_a_lost_node(local_dir):
     notes = [n for r in res for n in r["notes"]]
     assert any("failed verification" in n for n in notes), notes
     assert any("from the identical shard of rank" in n for n in notes), notes
+
+
+def test_one_replica_lost_node_and_corrupt_shared_copy_rebuilt_from_another_peer(local_dir):
+    """replicas=1: rank 1's only other copy is its sidecar on n2, sharing rank 2's bytes.
+    With n1 lost and those bytes corrupt, rank 1's sidecar goes to a node whose own
+    shard is identical, and the restore takes step 2 from there, bitwise."""
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    _run(local_dir, out, "save", NODES, replicas=1)
+    for i, node in enumerate(NODES):
+        files = glob.glob(os.path.join(local_dir, node, "dpshare", "rank-*", "step-*.safetensors"))
+        assert files == [_step(local_dir, node, i, "safetensors")], node  # no replica bytes anywhere
+        sc = read_sidecar(_step(local_dir, node, (i - 1) % 4, "json"))
+        assert sc.extra["shared_with"] == i
+    shutil.rmtree(os.path.join(local_dir, "n1"))
+    _flip_last_byte(_step(local_dir, "n2", 2, "safetensors"))
+    res = _run(local_dir, out, "load", ["n0", "spare", "n2", "n3"], replicas=1)
+    assert [r["loaded"] for r in res] == [2] * 4, res
+    assert all(r["equal"] and r["optim_state"] for r in res), res
+    assert [r["own"] for r in res] == [{"rank": r, "position": 100 * r} for r in range(4)], res
+    notes = [n for r in res for n in r["notes"]]
+    assert any("failed verification" in n or "rejected" in n for n in notes), notes
+    assert any("rank 1's step 2 rebuilt on" in n for n in notes), notes

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from incluster.errors import CorruptCheckpointError
-from incluster.format.checksum import Checksum
+from incluster.format.checksum import Checksum, content_id
 from incluster.format.tree import check_tree
 
 SIDECAR_FORMAT = "incluster-sidecar"
@@ -46,6 +46,7 @@ class Sidecar:
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
+            "content": content_id(self.checksum),  # derived: lets a restore find identical shards from the head
             "node": self.node,
             "shard": self.shard,
             "checksum": self.checksum.to_json(),

@@ -18,10 +18,12 @@ from incluster.tiers.local import ShardReader, committed_steps, data_path, rank_
 log = logging.getLogger("incluster")
 
 
-def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int]]:
-    """(owner rank, step, bytes, world size) for every committed shard in this node's
-    folder: names, sizes and the head of each sidecar (world size -1 where it cannot be
-    read: the copy is then tried, and judged, like any other)."""
+def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int, int]]:
+    """(owner rank, step, bytes, world size, content id) for every committed shard in this
+    node's folder: names, sizes and the head of each sidecar (world size -1 and content id 0
+    where it cannot be read: the copy is then tried, and judged, like any other). A sidecar
+    whose bytes are gone (a shared replica whose peer's file is) is listed with size -1: not
+    a copy, but a sidecar a restore can forward to where identical bytes are."""
     base = os.path.join(local_dir, job)
     try:
         names = os.listdir(base)
@@ -32,13 +34,13 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int]]:
         if n.startswith("rank-") and n[5:].isdigit():
             folder = os.path.join(base, n)
             for step in committed_steps(folder):
+                size: int | None
                 try:
                     size = os.stat(os.path.join(folder, step_file(step))).st_size
                 except FileNotFoundError:
                     size = _shared_size(folder, step)  # a shared replica: the peer's file
-                    if size is None:
-                        continue  # a sidecar without its shard: not a copy
-                out.append((int(n[5:]), step, size, _saved_world(os.path.join(folder, sidecar_file(step)))))
+                world, content = _head(os.path.join(folder, sidecar_file(step)))
+                out.append((int(n[5:]), step, -1 if size is None else size, world, content))
     return out
 
 
@@ -53,17 +55,19 @@ def _shared_size(folder: str, step: int) -> int | None:
 
 
 _WORLD = re.compile(rb'"world_size":(\d{1,9})[,}]')
+_CONTENT = re.compile(rb'"content":(-?\d{1,20})[,}]')
 
 
-def _saved_world(path: str) -> int:
-    """The world size a sidecar records, from its first bytes (the writer puts the identity
-    first); -1 if it is not there."""
+def _head(path: str) -> tuple[int, int]:
+    """The world size and content id a sidecar records, from its first bytes (the writer
+    puts the identity first); -1 and 0 where they are not there."""
     try:
         with open(path, "rb") as f:
-            m = _WORLD.search(f.read(4096))
+            head = f.read(4096)
     except OSError:
-        return -1
-    return int(m.group(1)) if m else -1
+        return -1, 0
+    w, c = _WORLD.search(head), _CONTENT.search(head)
+    return (int(w.group(1)) if w else -1), (int(c.group(1)) if c else 0)
 
 
 def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:

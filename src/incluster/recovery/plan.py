@@ -5,7 +5,9 @@ step, bytes, world size it was saved by) shards its RAM folder holds. Output: th
 step of which some node holds a copy of every shard (ranks 0..W-1 of the world that saved
 it), and for each rank where its shard comes from: its own node, or a rank on a node that
 holds a copy, chosen to spread bytes over the holders. Copies found bad are excluded and
-the plan is made again.
+the plan is made again. A shard with no usable copy left is rebuilt where a
+byte-identical shard of another rank is (:mod:`incluster.recovery.equivalent`): the plan
+is then a forwarding round, and the next plan uses the rebuilt copies.
 
 A step saved by a different world size is restored by resharding
 (:mod:`incluster.recovery.reshard`): each old shard gets one current rank on a node that
@@ -19,9 +21,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from incluster.errors import CheckpointError
+from incluster.recovery.equivalent import forwardable, index, plan_forwards
 from incluster.topology import Topology
 
-Holdings = Mapping[str, Iterable[tuple[int, ...]]]  # node -> {(owner, step[, size[, world]])}
+Holdings = Mapping[str, Iterable[tuple[int, ...]]]  # node -> {(owner, step[, size[, world[, content]]])}
 ANY_WORLD = -1  # a copy whose world size is unknown (its sidecar unread): counted for any
 
 
@@ -38,6 +42,9 @@ class RankPlan:
     transfers: bool = True  # some rank receives its shard from a peer in this plan
     world: int | None = None  # the step was saved by this many ranks (not ours): reshard
     reshard: bool = False  # reshard even at the same world size (the live mesh differs)
+    forwarding: bool = False  # this round only forwards sidecars (every rank takes part)
+    forward_send: tuple[tuple[int, int], ...] = ()  # (owner, to rank): send that owner's sidecar
+    forward_recv: tuple[tuple[int, int, int, str], ...] = ()  # (owner, from rank, bytes of, from node)
 
 
 @dataclass
@@ -64,6 +71,8 @@ def index_holders(holdings: Holdings, topo: Topology, exclude: set[tuple[str, in
         for item in set(items):
             owner, step = item[0], item[1]
             world = item[3] if len(item) > 3 else ANY_WORLD
+            if len(item) > 2 and item[2] < 0:
+                continue  # a sidecar whose bytes are gone: not a copy (see equivalent.py)
             if owner >= 0 and (node, owner, step) not in exclude:
                 holders[(owner, step)].append((node, world))
     for nodes in holders.values():
@@ -76,14 +85,19 @@ def nodes_of(holders: Holders, owner: int, step: int, world: int) -> list[str]:
     return [n for n, w in holders.get((owner, step), ()) if w in (world, ANY_WORLD)]
 
 
-def choose_step(holders: Holders, world: int) -> tuple[int | None, int | None, dict[int, list[int]]]:
+def choose_step(
+    holders: Holders, world: int, also: Mapping[int, Mapping[int, set[int]]] | None = None
+) -> tuple[int | None, int | None, dict[int, list[int]]]:
     """Newest step with a copy of every shard of the world that saved it (this job's
-    world size preferred); that world size; and, for newer steps, which of this world's
-    ranks lack a copy."""
+    world size preferred; ``also``: step -> world -> owners that can be rebuilt); that
+    world size; and, for newer steps, which of this world's ranks lack a copy."""
     per_step: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     for (owner, step), copies in holders.items():
         for _, w in copies:
             per_step[step][w].add(owner)
+    for step, by_world in (also or {}).items():
+        for w, owners in by_world.items():
+            per_step[step][w] |= owners
     missing: dict[int, list[int]] = {}
     for step in sorted(per_step, reverse=True):
         by_world = per_step[step]
@@ -101,12 +115,19 @@ def make_plan(
     """The restore plan for every rank (identical input gives an identical plan);
     ``force_reshard``: a resharding plan even at the same world size."""
     holders = index_holders(holdings, topo, exclude or set())
-    step, world, missing = choose_step(holders, topo.world_size)
+    sidecars, contents = index(holdings, topo, exclude or set())
+    step, world, missing = choose_step(holders, topo.world_size, forwardable(sidecars, contents))
     if step is None or world is None:
         return Plan(None, [RankPlan(None) for _ in range(topo.world_size)], missing)
     ranks_on = defaultdict(list)
     for r, n in enumerate(topo.node_of):
         ranks_on[n].append(r)
+    lacking = [o for o in range(world) if not nodes_of(holders, o, step, world)]
+    if lacking:
+        forwards = plan_forwards(lacking, step, world, sidecars, contents, topo, ranks_on)
+        if len(forwards) != len(lacking):
+            raise CheckpointError(f"the restore plan for step {step} found no way to rebuild rank(s) {lacking}; please report this")
+        return _forward_plan(topo, forwards, missing)
     if world != topo.world_size or force_reshard:
         return _reshard_plan(topo, holders, step, world, ranks_on, missing)
     load: dict[int, int] = defaultdict(int)  # shards each rank sends
@@ -122,7 +143,7 @@ def make_plan(
         source[r] = src
         sends[src].append(r)
     any_transfer = any(s is not None for s in source)
-    sizes = {(i[0], i[1]): i[2] for items in holdings.values() for i in items if len(i) > 2}
+    sizes = {(i[0], i[1]): i[2] for items in holdings.values() for i in items if len(i) > 2 and i[2] >= 0}
     ranks = [
         RankPlan(
             step,
@@ -154,3 +175,19 @@ def _reshard_plan(
         server_of.append(s)
     ranks = [RankPlan(step, None, (), None, world=world, reshard=True) for _ in range(topo.world_size)]
     return Plan(step, ranks, missing, world, server_of)
+
+
+def _forward_plan(topo: Topology, forwards: list, missing: dict[int, list[int]]) -> Plan:  # type: ignore[type-arg]
+    """A round in which sidecars go where identical bytes are; every rank takes part (and
+    re-plans after it), the ranks named send or receive."""
+    sends: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    recvs: dict[int, list[tuple[int, int, int, str]]] = defaultdict(list)
+    for f in forwards:
+        sends[f.sender].append((f.owner, f.receiver))
+        recvs[f.receiver].append((f.owner, f.sender, f.bytes_of, f.sender_node))
+    step = forwards[0].step
+    ranks = [
+        RankPlan(step, forwarding=True, forward_send=tuple(sends[r]), forward_recv=tuple(recvs[r]))
+        for r in range(topo.world_size)
+    ]
+    return Plan(step, ranks, missing)

@@ -34,6 +34,7 @@ import torch
 
 from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from incluster.format.checksum import core_share
+from incluster.recovery.forward import forward_sidecars
 from incluster.recovery.from_persistent import download, fetch_old_shards, persistent_plan
 from incluster.recovery.gather import device_for_collectives, gather_to_zero, scatter_from_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
@@ -50,7 +51,7 @@ from incluster.tiers.local import open_shard, rank_folder
 from incluster.topology import Topology
 
 log = logging.getLogger("incluster")
-MAX_ROUNDS = 4
+MAX_ROUNDS = 6
 
 
 @dataclass
@@ -160,6 +161,11 @@ class _Run:
                 return
             ctx.ring.reset_to(mine.step)
             abandon_newer(ctx.local_dir, ctx.job, mine.step, ctx.ring)
+            if mine.forwarding:  # rebuild lost shards where identical bytes are, then plan again
+                rebuilt, bad = forward_sidecars(ctx, mine) if dist is not None else ([], [])
+                self._collect(bad, rebuilt, every=True)
+                report.notes.extend(f"rank {h[1]}'s step {h[2]} rebuilt on {h[0]} from an identical shard" for h in rebuilt)
+                continue
             if mine.world is not None and (mine.world != ctx.world_size or mine.reshard):
                 self.dirty, self.loaded = self.dirty or self.loaded is not None, None
                 if mine.persistent is not None:  # tier 2 first: each old shard into one node's RAM
@@ -201,9 +207,9 @@ class _Run:
                 for o in outgoing:
                     o.reader.close()
                 continue
-            bad, healed = self._transfer(mine, outgoing), None
+            bad, healed = self._transfer(mine, outgoing), []
             if mine.source is not None and self.loaded == mine.step and (self.received is None or self.received.can_heal):
-                healed = (ctx.node, ctx.rank, mine.step, report.bytes)
+                healed = [(ctx.node, ctx.rank, mine.step, report.bytes)]
             elif mine.source is None and self.loaded != mine.step:
                 bad += self._load_local(mine)
             if self._collect(bad, healed):
@@ -312,24 +318,25 @@ class _Run:
         self.report.step, self.report.bytes = step, landing.nbytes
         self.loaded = step
 
-    def _collect(self, bad: list[tuple[str, int, int]], healed: tuple[str, int, int, int] | None = None) -> bool:
+    def _collect(self, bad: list[tuple[str, int, int]], healed: list[tuple[Any, ...]] = (), every: bool = False) -> bool:  # type: ignore[assignment]
         """True if any rank found a bad copy (every rank then re-plans). The common case,
         nobody found one, costs one all-reduce of a count; only then do the bad copies (and
-        the copies healed by a transfer, which the next plan may use) go to rank 0, O(W)
-        bytes in all."""
+        the copies healed or rebuilt this round, which the next plan may use) go to rank 0,
+        O(W) bytes in all. ``every``: every rank knows a re-plan follows (no count)."""
         ctx = self.ctx
         dist = _dist()
         if dist is None:
             self.exclude.update(bad)
             return bool(bad)
-        count = torch.tensor([len(bad)], dtype=torch.int64, device=device_for_collectives())
-        dist.all_reduce(count)
-        if int(count.item()) == 0:
-            return False
-        got = gather_to_zero((bad, healed), ctx.rank, ctx.world_size)
-        for b, h in got or ():
+        if not every:
+            count = torch.tensor([len(bad)], dtype=torch.int64, device=device_for_collectives())
+            dist.all_reduce(count)
+            if int(count.item()) == 0:
+                return False
+        got = gather_to_zero((bad, list(healed)), ctx.rank, ctx.world_size)
+        for b, hs in got or ():
             self.exclude.update(tuple(x) for x in b)  # type: ignore[misc]
-            if h is not None:
+            for h in hs:
                 self.extra.append((h[0], [tuple(h[1:])]))
         return True
 
