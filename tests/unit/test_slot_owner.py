@@ -95,3 +95,63 @@ def test_a_replica_identical_to_my_own_shard_is_asked_for_as_a_sidecar_only(loca
     assert rep._wants(1, 5, torch.tensor([5, 100, 4096, 12345]), own) == 1  # share_replicas=False
     for ring in rep.rings.values():
         ring.close()
+
+
+def test_a_commit_in_flight_is_never_dropped_as_unheld(local_dir, monkeypatch):
+    """A slot filled in this process (a restore's heal, a replica) is renamed, marked and
+    counted in one transition: a concurrent ``drop_unheld`` (a newer step just became
+    global) never sees its final name unheld and deletes it."""
+    import incluster.format.sidecar as sidecar_mod
+    from incluster.format.checksum import compute
+    from incluster.format.sidecar import Sidecar, read_sidecar
+    from incluster.writer.local_commit import commit_received
+
+    ring = SlotRing(os.path.join(local_dir, "job", "rank-00001"), keep=3)
+    slot = ring.acquire(3, 5)
+    ring.prepare(slot, 4096)
+    slot.buf.fill_(7)
+    sc = Sidecar("job", 3, 1, 2, "n0", step_file(3), compute(slot.mm, 4096), "fp", {"d": []})
+    real = sidecar_mod.write_sidecar
+    marker_started = threading.Event()
+
+    def slow_marker(path, sidecar, fsync=False):  # the window between rename and mark
+        marker_started.set()
+        time.sleep(0.3)
+        real(path, sidecar, fsync)
+
+    monkeypatch.setattr("incluster.writer.local_commit.write_sidecar", slow_marker)
+    committer = threading.Thread(target=lambda: commit_received(ring, slot, sc, "test", verified=True))
+    committer.start()
+    assert marker_started.wait(5)
+    ring.drop_unheld(5)  # step 5 became global meanwhile: older unheld steps go
+    committer.join(5)
+    assert slot.state is SlotState.COMMITTED and slot.step == 3
+    assert os.path.exists(os.path.join(ring.folder, step_file(3))), "the commit in flight lost its shard file"
+    assert read_sidecar(os.path.join(ring.folder, sidecar_file(3))).step == 3
+    ring.close()
+
+
+def test_a_commit_whose_marker_cannot_be_written_leaves_the_slot_staged(local_dir, monkeypatch):
+    from incluster.errors import CheckpointError
+
+    ring = SlotRing(os.path.join(local_dir, "job", "rank-00000"), keep=2)
+    slot = ring.acquire(4, 5)
+    ring.prepare(slot, 4096)
+    staging = slot.path
+
+    def no_room():
+        raise OSError(28, "No space left on device")
+
+    try:
+        ring.commit(slot, 4, no_room)
+    except OSError:
+        pass
+    assert slot.state is SlotState.STAGING and slot.path == staging and os.path.exists(staging)
+    assert not os.path.exists(os.path.join(ring.folder, step_file(4)))
+    ring.fail(slot, 4)
+    assert slot.state is SlotState.FREE
+    import pytest
+
+    with pytest.raises(CheckpointError):
+        ring.commit(slot, 4, lambda: None)  # a slot that no longer holds the step is never committed
+    ring.close()

@@ -348,11 +348,33 @@ class SlotRing:
             self._cond.notify_all()
 
     def mark_committed(self, slot: Slot, step: int, path: str) -> None:
+        """The writer (another thread or process) renamed the slot and wrote its marker."""
         with self._cond:
-            slot.state, slot.step, slot.path = SlotState.COMMITTED, step, path
-            if self.newest_committed is None or step > self.newest_committed:
-                self.newest_committed = step
-            self._cond.notify_all()
+            self._committed(slot, step, path)
+
+    def _committed(self, slot: Slot, step: int, path: str) -> None:
+        slot.state, slot.step, slot.path = SlotState.COMMITTED, step, path
+        if self.newest_committed is None or step > self.newest_committed:
+            self.newest_committed = step
+        self._cond.notify_all()
+
+    def commit(self, slot: Slot, step: int, write_marker: Callable[[], None]) -> str:
+        """Commit a slot filled in this process (a replica, a restore's heal, a download):
+        rename it to the step's name, write its marker, mark it committed - one transition
+        under the lock, so no ``drop_unheld``, ``discard`` or ``fail`` sees it half way. A
+        marker that cannot be written leaves the slot staged under its staging name."""
+        final = os.path.join(self.folder, step_file(step))
+        with self._cond:
+            if slot.step != step or slot.state not in (SlotState.STAGING, SlotState.COMMITTING):
+                raise CheckpointError(f"slot {slot.index} of {self.folder} no longer holds step {step}; please report this")
+            os.replace(slot.path, final)
+            try:
+                write_marker()
+            except BaseException:
+                os.replace(final, slot.path)
+                raise
+            self._committed(slot, step, final)
+        return final
 
     def set_global(self, step: int) -> None:
         """``step`` is committed on every rank: older slots may now be reused."""
@@ -370,14 +392,15 @@ class SlotRing:
     def drop_unheld(self, newest: int) -> None:
         """Delete committed steps older than ``newest`` that no slot holds (left by an
         earlier process, or un-adopted): the folder stays at ``keep`` shards."""
-        held = set(self.committed_steps())
-        for name in sorted(os.listdir(self.folder)):  # ".json" (the marker) before the shard
-            m = _SHARD.match(name) or _SIDECAR.match(name)
-            if m and int(m.group(1)) < newest and int(m.group(1)) not in held:
-                try:
-                    os.unlink(os.path.join(self.folder, name))
-                except FileNotFoundError:
-                    pass
+        with self._cond:  # a commit in flight renames and marks under this lock too
+            held = {s.step for s in self.slots if s.step is not None and s.state is not SlotState.FREE}
+            for name in sorted(os.listdir(self.folder)):  # ".json" (the marker) before the shard
+                m = _SHARD.match(name) or _SIDECAR.match(name)
+                if m and int(m.group(1)) < newest and int(m.group(1)) not in held:
+                    try:
+                        os.unlink(os.path.join(self.folder, name))
+                    except FileNotFoundError:
+                        pass
 
     def committed_steps(self) -> list[int]:
         with self._cond:

@@ -103,13 +103,10 @@ def commit_received(
     The paths are derived here from the step, never taken from the sender."""
     if not verified:
         verify(slot.mm if slot.mm is not None else b"", sc.checksum, where)
-    final = os.path.join(ring.folder, step_file(sc.step))
-    os.replace(slot.path, final)
     changes: dict[str, Any] = {"shard": step_file(sc.step), "extra": {**sc.extra, **extra}}
     if node is not None:
         changes["node"] = node
     committed = dataclasses.replace(sc, **changes)
     path = os.path.join(ring.folder, sidecar_file(sc.step))
-    reserve.write_or_spend(lambda: write_sidecar(path, committed), os.path.dirname(ring.folder))
-    ring.mark_committed(slot, sc.step, final)
+    ring.commit(slot, sc.step, lambda: reserve.write_or_spend(lambda: write_sidecar(path, committed), os.path.dirname(ring.folder)))
     return committed
