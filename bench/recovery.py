@@ -34,6 +34,11 @@ held in a dict, so every restore copies into the live tensors in place). It meas
   dcp.load              ``torch.distributed.checkpoint.load`` of the same state from a DCP
                         folder in /dev/shm that the same 4 ranks saved (``dcp.save``) in
                         this run, right after the local restores (same processes)
+  elastic               unless ``--no-elastic``: ``bench/recovery_reshard.py`` (the same
+                        ``--gib``, 4 -> 3 ranks, FSDP2 DTensors, against ``dcp.load``
+                        resharding the same state from the same RAM disk) and
+                        ``bench/dp_share.py`` (replication bytes and RAM per node with
+                        and without data-parallel sharing), each printing its ratios
 
 Restore times are per rank and the slowest rank counts: ``report`` is the time ``load()``
 itself measured (``ckpt.last_restore.seconds``), ``wall`` the time around the
@@ -228,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the extra profiled restores")
     ap.add_argument("--no-dcp", action="store_true", help="skip dcp.save/dcp.load")
     ap.add_argument("--skip-planner", action="store_true")
+    ap.add_argument("--no-elastic", action="store_true",
+                    help="skip the elastic part (bench/recovery_reshard.py 4 -> 3 ranks vs dcp.load, bench/dp_share.py)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per job before it is killed (default 1200)")
     ap.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke run")
     ap.add_argument("--ram-disk", default="/dev/shm", metavar="DIR",
@@ -325,11 +332,42 @@ def main(argv: list[str] | None = None) -> int:
     S = summarise(R)
     R["summary"] = S
     print_report(R, S)
+    if not args.no_elastic and not R.get("error"):
+        R["elastic"] = run_elastic(gib, args.quick, args.timeout)
+        if any("error" in v for v in R["elastic"].values()):
+            R["error"] = "elastic: " + "; ".join(f"{k}: {v['error']}" for k, v in R["elastic"].items() if "error" in v)
     print(f"\nload average {R['load_start']} -> {R['load_end']}; total {R['total_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(R, f, indent=1, default=str)
     return 1 if R.get("error") else 0
+
+
+def run_elastic(gib: float, quick: bool, timeout: float | None) -> dict[str, Any]:
+    """The elastic restores, each bench in its own processes (it prints its own report and
+    ratios): resharding 4 -> 3 ranks against dcp.load from the same RAM disk, and the
+    replication bytes and RAM per node with and without data-parallel sharing."""
+    import subprocess
+    import tempfile
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    runs = {
+        "reshard": ["recovery_reshard.py", "--gib", str(gib)] + (["--quick"] if quick else [])
+        + (["--timeout", str(timeout)] if timeout else []),
+        "dp_share": ["dp_share.py", "--mib", str(16 if quick else 256)] + (["--saves", "1"] if quick else []),
+    }
+    out: dict[str, Any] = {}
+    for name, cmd in runs.items():
+        log(f"elastic: {' '.join(cmd)}")
+        with tempfile.TemporaryDirectory(prefix="incluster-bench-elastic-") as tmp:
+            path = os.path.join(tmp, "out.json")
+            rc = subprocess.call([sys.executable, os.path.join(here, cmd[0]), *cmd[1:], "--json", path])
+            try:
+                with open(path) as f:
+                    out[name] = json.load(f) if rc == 0 else {"error": f"{cmd[0]} exited {rc}"}
+            except (OSError, ValueError) as exc:
+                out[name] = {"error": f"{cmd[0]} exited {rc} and wrote no report ({exc})"}
+    return out
 
 
 if __name__ == "__main__":
