@@ -125,7 +125,7 @@ class Checkpointer(SavePipeline):
 
             self._stager.remote = RemoteDrain(lambda: self._writer, self._free_slot_files)
             self._stager.remote_timeout_s = self.config.slot_timeout_s
-            self._writer.drain_listener = self._stager.remote  # type: ignore[attr-defined]
+            self._writer.drain_listener = self._stager.remote  # type: ignore[union-attr]
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
         self._inflight: StageJob | None = None
         self._healing: Future[None] | None = None  # a peer restore's heal, on the staging thread

@@ -270,7 +270,7 @@ class Replicator:
     def _data_round(self, step: int, own: OwnShard | None, headers: dict[int, torch.Tensor],
                     answers: dict[int, torch.Tensor], needs: dict[int, torch.Tensor], coord: Coordinator) -> list[int]:
         works: list[Any] = []
-        incoming = []
+        incoming: list[tuple[int, Any, Any, torch.Tensor, int]] = []  # (src, ring, slot, sidecar, size)
         for src, header in headers.items():
             answer = int(answers[src][0])
             if not answer:

@@ -213,9 +213,9 @@ class Reshard:
             return self.served[src]
         sc_buf, hdr_buf = bufs
         where = f"old rank {src}'s shard of step {self.step} (from rank {maps.server_of[src]})"
-        raw = bytes(sc_buf.cpu().numpy())
-        sc = parse_received_sidecar(raw, where, rank=src, step=self.step, job=self.ctx.job, size=size)
-        return shard_of(src, raw, sc, parse_header(bytes(hdr_buf.cpu().numpy()), size, where), where)
+        raw_sc = bytes(sc_buf.cpu().numpy())
+        sc = parse_received_sidecar(raw_sc, where, rank=src, step=self.step, job=self.ctx.job, size=size)
+        return shard_of(src, raw_sc, sc, parse_header(bytes(hdr_buf.cpu().numpy()), size, where), where)
 
     # 3. agree ------------------------------------------------------------------------
     def _fit(self, src: Shard) -> tuple[Live | None, list[Piece], str | None, int]:

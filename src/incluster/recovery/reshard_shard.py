@@ -221,7 +221,7 @@ def _dnodes(node: Any, path: str) -> Any:
         for k, v in node["d"]:
             yield from _dnodes(v, f"{path}/{k}" if path else str(k))
     elif "l" in node or "t" in node:
-        for i, v in enumerate(node.get("l", node.get("t", []))):
+        for i, v in enumerate(node.get("l", node.get("t")) or []):
             yield from _dnodes(v, f"{path}/{i}")
 
 

@@ -142,8 +142,8 @@ class Stager:
                 job.drain = (self.remote.buf_id, plan.lo, tuple(plan.runs))
                 self.remote.begin(job.step)
             else:
-                job.digests = drain(plan.device, plan.lo, plan.runs, self._device.buf, job.slot.buf, stream,
-                                    DEFAULT_CHUNK)  # type: ignore[arg-type]
+                job.digests = drain(plan.device, plan.lo, plan.runs, self._device.buf, job.slot.buf, stream,  # type: ignore[arg-type]
+                                    DEFAULT_CHUNK)
         elif job.cuda_done and job.slot.buf is not None:
             # The bytes are in the slot: staged. Hashing them here, in parallel, spares the
             # writer process a pass (and a first mapping with its page tables) per slot.
