@@ -61,3 +61,17 @@ def test_no_stand_in_without_the_sidecar_or_identical_content():
 def test_unknown_content_never_stands_in():
     held = {n: [(o, s, sz, w, 0) for o, s, sz, w, _ in items] for n, items in _ddp(HELD).items()}
     assert make_plan(LIVE, held, {("n2", 1, 2), ("n2", 2, 2)}).step is None
+
+
+def test_a_rebuilt_copy_that_fails_is_not_rebuilt_on_the_same_node_again():
+    exclude = {("n2", 1, 2), ("n2", 2, 2)}
+    first = make_plan(LIVE, _ddp(HELD), exclude)
+    (owner, to), = first.ranks[2].forward_send
+    node = LIVE.node_of[to]
+    healed = {**_ddp(HELD), node: _ddp(HELD)[node] + [(1, 2, 100, W, C)]}
+    again = make_plan(LIVE, healed, exclude | {(node, 1, 2)})  # its bytes there failed too
+    assert all(p.forwarding for p in again.ranks)
+    (to2,) = [r for r, p in enumerate(again.ranks) if p.forward_recv]
+    assert LIVE.node_of[to2] not in (node, "n2")
+    last = {("n0", 1, 2), ("n3", 1, 2)}  # every node with identical bytes has failed rank 1
+    assert make_plan(LIVE, healed, exclude | last).step is None

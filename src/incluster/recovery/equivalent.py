@@ -62,31 +62,36 @@ def index(
     return sidecars, contents
 
 
-def _stand_ins(sidecars: Sidecars, contents: Contents, owner: int, step: int, world: int) -> list[tuple[str, str, int]]:
-    """(sidecar node, bytes node, bytes owner) pairs that can rebuild ``owner``'s shard."""
+def _stand_ins(
+    sidecars: Sidecars, contents: Contents, owner: int, step: int, world: int, exclude: set[tuple[str, int, int]]
+) -> list[tuple[str, str, int]]:
+    """(sidecar node, bytes node, bytes owner) pairs that can rebuild ``owner``'s shard. A
+    node where a copy of the owner itself was found bad is never the bytes node: a copy
+    rebuilt there that then failed is not rebuilt there again (each failure narrows the
+    choice, so the rounds end)."""
     out = []
     for a, w, content in sidecars.get((owner, step), ()):
         if w not in (world, _ANY):
             continue
         for b, p, w2 in contents.get((step, content), ()):
-            if p != owner and w2 in (world, _ANY):
+            if p != owner and w2 in (world, _ANY) and (b, owner, step) not in exclude:
                 out.append((a, b, p))
     return out
 
 
-def forwardable(sidecars: Sidecars, contents: Contents) -> dict[int, dict[int, set[int]]]:
+def forwardable(sidecars: Sidecars, contents: Contents, exclude: set[tuple[str, int, int]]) -> dict[int, dict[int, set[int]]]:
     """step -> world -> owners whose shard a forwarding round can rebuild."""
     out: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     for (owner, step), copies in sidecars.items():
         for w in {w for _, w, _ in copies if w > 0}:
-            if _stand_ins(sidecars, contents, owner, step, w):
+            if _stand_ins(sidecars, contents, owner, step, w, exclude):
                 out[step][w].add(owner)
     return out
 
 
 def plan_forwards(
     lacking: list[int], step: int, world: int, sidecars: Sidecars, contents: Contents, topo: Topology,
-    ranks_on: Mapping[str, list[int]],
+    ranks_on: Mapping[str, list[int]], exclude: set[tuple[str, int, int]],
 ) -> list[Forward]:
     """One forward per lacking owner: to the owner's own node where it holds identical
     bytes (the owner then reads locally), else to the node with the fewest forwards."""
@@ -94,7 +99,7 @@ def plan_forwards(
     per_node: dict[str, int] = defaultdict(int)
     out = []
     for o in lacking:
-        pairs = _stand_ins(sidecars, contents, o, step, world)
+        pairs = _stand_ins(sidecars, contents, o, step, world, exclude)
         if not pairs:
             continue
         home = topo.node_of[o] if o < topo.world_size else None

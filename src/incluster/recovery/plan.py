@@ -114,9 +114,10 @@ def make_plan(
 ) -> Plan:
     """The restore plan for every rank (identical input gives an identical plan);
     ``force_reshard``: a resharding plan even at the same world size."""
-    holders = index_holders(holdings, topo, exclude or set())
-    sidecars, contents = index(holdings, topo, exclude or set())
-    step, world, missing = choose_step(holders, topo.world_size, forwardable(sidecars, contents))
+    exclude = exclude or set()
+    holders = index_holders(holdings, topo, exclude)
+    sidecars, contents = index(holdings, topo, exclude)
+    step, world, missing = choose_step(holders, topo.world_size, forwardable(sidecars, contents, exclude))
     if step is None or world is None:
         return Plan(None, [RankPlan(None) for _ in range(topo.world_size)], missing)
     ranks_on = defaultdict(list)
@@ -124,7 +125,7 @@ def make_plan(
         ranks_on[n].append(r)
     lacking = [o for o in range(world) if not nodes_of(holders, o, step, world)]
     if lacking:
-        forwards = plan_forwards(lacking, step, world, sidecars, contents, topo, ranks_on)
+        forwards = plan_forwards(lacking, step, world, sidecars, contents, topo, ranks_on, exclude)
         if len(forwards) != len(lacking):
             raise CheckpointError(f"the restore plan for step {step} found no way to rebuild rank(s) {lacking}; please report this")
         return _forward_plan(topo, forwards, missing)
