@@ -204,6 +204,9 @@ def main() -> None:
             checkpointer.last_save.wait()  # the newest save is durable: a restart finds it
             report["killed_after_durable"] = checkpointer.last_save.step
             write()
+            # Both ranks have heard the save is durable before either dies: one killed first
+            # takes the job's store with it, and a peer still waiting to hear would fail instead.
+            dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
         checkpointer.save(train_state.step, last_step=(train_state.step == config.training.steps))
 
