@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -31,14 +32,42 @@ def _same_full_state(out: str) -> None:
         assert saved[k].dtype == loaded[k].dtype and torch.equal(saved[k], loaded[k]), f"{k} differs"
 
 
+NODES = ["n0", "n1", "n2", "n3"]
+
+
+def _saved(name: str, env: dict) -> "object":
+    """A module-wide save by 4 ranks (each test restores from its own copy of it): RAM
+    folders, the persistent tier and the gathered full state, under one RAM-disk folder."""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture():
+        base = tempfile.mkdtemp(prefix="incluster-test-saved-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            os.makedirs(os.path.join(base, "out"))
+            _run(base, os.path.join(base, "out"), "save", NODES, {"RESHARD_PERSISTENT": os.path.join(base, "persistent"), **env})
+            yield base
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    return fixture
+
+
+fsdp4 = _saved("fsdp4", {})  # FSDP2 over 4 ranks
+hsdp4 = _saved("hsdp4", {"RESHARD_MESH_SAVE": "2,2"})  # HSDP on a 2 x 2 mesh
+
+
+def _copy(saved: str, local_dir: str) -> tuple[str, dict]:
+    """This test's own copy of a module save: its out folder and the persistent tier env."""
+    shutil.copytree(saved, local_dir, dirs_exist_ok=True)
+    return os.path.join(local_dir, "out"), {"RESHARD_PERSISTENT": os.path.join(local_dir, "persistent")}
+
+
 def _shard(local_dir: str, node: str, owner: int, step: int) -> str:
     return os.path.join(local_dir, node, "reshard", f"rank-{owner:05d}", f"step-{step:012d}.safetensors")
 
 
-def test_four_ranks_lose_a_node_and_go_on_with_three(local_dir):
-    out = os.path.join(local_dir, "out")
-    os.makedirs(out)
-    _run(local_dir, out, "save", ["n0", "n1", "n2", "n3"])
+def test_four_ranks_lose_a_node_and_go_on_with_three(local_dir, fsdp4):
+    out, _ = _copy(fsdp4, local_dir)
     shutil.rmtree(os.path.join(local_dir, "n3"))  # the node is gone and there is no spare
     # and old rank 1's own copy went bad in n1's RAM: its replica on n2 must be used
     path = _shard(local_dir, "n1", 1, 3)
@@ -69,11 +98,8 @@ def test_two_ranks_grow_to_four(local_dir):
     assert all(r["step4"] == "durable" for r in res)
 
 
-def test_every_node_lost_three_ranks_reshard_from_the_persistent_tier(local_dir):
-    out = os.path.join(local_dir, "out")
-    os.makedirs(out)
-    env = {"RESHARD_PERSISTENT": os.path.join(local_dir, "persistent")}
-    _run(local_dir, out, "save", ["n0", "n1", "n2", "n3"], env)
+def test_every_node_lost_three_ranks_reshard_from_the_persistent_tier(local_dir, fsdp4):
+    out, env = _copy(fsdp4, local_dir)
     for n in ("n0", "n1", "n2", "n3"):
         shutil.rmtree(os.path.join(local_dir, n))  # every node's RAM is gone
     res = _run(local_dir, out, "load", ["m0", "m1", "m2"], env)
@@ -83,44 +109,33 @@ def test_every_node_lost_three_ranks_reshard_from_the_persistent_tier(local_dir)
     assert all(r["step4"] == "durable" for r in res)
 
 
-def test_hsdp_on_a_two_by_two_mesh_restores_into_three_ranks_of_fsdp(local_dir):
-    out = os.path.join(local_dir, "out")
-    os.makedirs(out)
-    _run(local_dir, out, "save", ["n0", "n1", "n2", "n3"], {"RESHARD_MESH_SAVE": "2,2"})
+def test_hsdp_on_a_two_by_two_mesh_restores_into_three_ranks_of_fsdp(local_dir, hsdp4):
+    out, _ = _copy(hsdp4, local_dir)
     shutil.rmtree(os.path.join(local_dir, "n3"))
     res = _run(local_dir, out, "load", ["n0", "n1", "n2"])
     _same_full_state(out)
     assert [r["loaded"] for r in res] == [3, 3, 3] and {r["source"] for r in res} == {"reshard"}, res
 
 
-def test_same_world_size_on_another_mesh_is_resharded(local_dir):
-    out = os.path.join(local_dir, "out")
-    os.makedirs(out)
-    nodes = ["n0", "n1", "n2", "n3"]
-    _run(local_dir, out, "save", nodes, {"RESHARD_MESH_SAVE": "2,2"})  # HSDP 2 x 2
-    res = _run(local_dir, out, "load", nodes)  # FSDP over all 4
+def test_same_world_size_on_another_mesh_is_resharded(local_dir, hsdp4):
+    out, _ = _copy(hsdp4, local_dir)  # saved by HSDP 2 x 2
+    res = _run(local_dir, out, "load", NODES)  # FSDP over all 4
     _same_full_state(out)
     assert [r["loaded"] for r in res] == [3] * 4 and {r["source"] for r in res} == {"reshard"}, res
     assert all(any("another mesh" in n for n in r["notes"]) for r in res), res
 
 
-def test_a_persistent_step_on_another_mesh_at_the_same_size_is_resharded(local_dir):
-    out = os.path.join(local_dir, "out")
-    os.makedirs(out)
-    tier = os.path.join(local_dir, "persistent")
-    nodes = ["n0", "n1", "n2", "n3"]
-    _run(local_dir, out, "save", nodes, {"RESHARD_PERSISTENT": tier, "RESHARD_MESH_SAVE": "2,2"})
-    for n in nodes:
+def test_a_persistent_step_on_another_mesh_at_the_same_size_is_resharded(local_dir, hsdp4):
+    out, env = _copy(hsdp4, local_dir)
+    for n in NODES:
         shutil.rmtree(os.path.join(local_dir, n))
-    res = _run(local_dir, out, "load", ["m0", "m1", "m2", "m3"], {"RESHARD_PERSISTENT": tier})
+    res = _run(local_dir, out, "load", ["m0", "m1", "m2", "m3"], env)
     _same_full_state(out)
     assert [r["loaded"] for r in res] == [3] * 4 and {r["source"] for r in res} == {"reshard"}, res
 
 
-def test_ranks_that_disagree_on_the_rule_stop_together_with_the_reason(local_dir):
-    out = os.path.join(local_dir, "out")
-    os.makedirs(out)
-    _run(local_dir, out, "save", ["n0", "n1", "n2", "n3"])
+def test_ranks_that_disagree_on_the_rule_stop_together_with_the_reason(local_dir, fsdp4):
+    out, _ = _copy(fsdp4, local_dir)
     job = launch([SCRIPT, out, "load"], nodes=["n0", "n1", "n2"], ranks_per_node=1, base_dir=local_dir,
                  rank_env={1: {"RESHARD_RULE": "rank0"}})
     codes = job.wait(120)  # no hang: every rank stops at the same collective
