@@ -1,6 +1,6 @@
 """How much does checkpointing slow down data-parallel training? incluster against DCP.
 
-A CPU training loop on 2 ranks (gloo, ``DistributedDataParallel``: gradients are
+A CPU training loop on 2 ranks (``--ranks 1``: one; gloo, ``DistributedDataParallel``: gradients are
 all-reduced every step, so the ranks are coupled like real data-parallel training), a
 stack of ``Linear`` layers trained with AdamW; the model + optimizer state is about
 ``--state-mib`` per rank. Every step is timed (the saving steps included) under each
@@ -79,7 +79,7 @@ def run_config(kind: str, args: argparse.Namespace, passthrough: list[str]) -> d
         env = {"OMP_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore"}
         t0 = time.perf_counter()
         with MemWatch(os.path.join(base, "dcp")) as mem:
-            job = launch(argv, nodes=["node0"], ranks_per_node=2, base_dir=base, env=env)
+            job = launch(argv, nodes=["node0"], ranks_per_node=args.ranks, base_dir=base, env=env)
             mem.pids = [p.pid for p in job.procs]
             codes = job.wait(JOB_TIMEOUT_S)
         res["wall_s"] = time.perf_counter() - t0
@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="measured steps per configuration (default 50; --quick: 9)")
     ap.add_argument("--warmup", type=int, default=None, help="unmeasured steps first, without saves (default 3; --quick: 2)")
     ap.add_argument("--every", type=int, default=None, help="save every k steps (default 5; --quick: 3)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs / 2)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs / ranks)")
+    ap.add_argument("--ranks", type=int, default=2, choices=(1, 2), help="ranks on the node (default 2)")
+    ap.add_argument("--prepare", action="store_true",
+                    help="incluster: ckpt.prepare(state) after the first warm-up step (slot files made before the first save)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated, from {', '.join(CONFIGS)} (default: {','.join(DEFAULT_CONFIGS)}); "
                          "'none' also runs again at the end")
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     if args.threads is None:
-        args.threads = max(1, (os.cpu_count() or 2) // 2)
+        args.threads = max(1, (os.cpu_count() or 2) // args.ranks)
     if args.every < 1 or args.steps < 1 or args.hidden < 1:
         ap.error("--every, --steps and --hidden must be positive")
     if args.layers is None:  # params + 2 AdamW moments, fp32: 12 bytes per parameter
@@ -152,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     order = list(configs) * args.rounds + (["none"] if "none" in configs and len(configs) > 1 else [])
     passthrough = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--every", str(args.every),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads)] + (["--prepare"] if args.prepare else [])
     state_bytes = 12 * args.layers * (args.hidden * args.hidden + args.hidden)
     info = machine_info()
     import incluster
 
     info["incluster"] = os.path.dirname(os.path.abspath(incluster.__file__))
-    print(f"# training slowdown: 2 ranks (gloo, DDP), {args.layers} x Linear({args.hidden}, {args.hidden}), "
+    print(f"# training slowdown: {args.ranks} rank(s) (gloo, DDP), {args.layers} x Linear({args.hidden}, {args.hidden}), "
           f"{state_bytes / 2**20:.0f} MiB model+AdamW state per rank, batch {args.batch}, {args.threads} torch "
           f"thread(s) per rank; {args.warmup} warm-up + {args.steps} measured steps, save every {args.every} "
           f"(measured steps 0, {args.every}, ...); {args.rounds} round(s); incluster from {info['incluster']}, "
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
           f"last one after everything else); steady = from each run's second save on; save() blocks: median "
           f"over every save; staged/durable: medians from the second save on (s from the save() call); "
           f"within-run est. = ((saving step - other steps) + (step after it - other steps)) / ({args.every} x other "
-          f"steps), means within each run, so load that drifts between runs cancels; "
+          f"steps), means within each run, so load that drifts between runs cancels; steady within-run = the "
+          f"same from each run's second save on; "
           f"load = load average before the runs.")
     print()
     print_tables(rows, base)

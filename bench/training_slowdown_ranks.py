@@ -87,6 +87,10 @@ def worker(args: argparse.Namespace) -> int:
         t2 = time.perf_counter()
         optim.step()  # incluster's pre-step hook waits for its staging here
         optim.zero_grad(set_to_none=False)
+        if ckpt is not None and args.prepare and i == 0:
+            prepared = ckpt.prepare(state)  # the optimizer state exists now: the state has its full shape
+        if ckpt is not None and args.prepare and i == args.warmup - 1:
+            prepared.result()
         t3 = time.perf_counter()
         saved = j >= 0 and j % args.every == 0 and kind != "none"
         blocked = None
