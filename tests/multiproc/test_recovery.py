@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import shutil
+import tempfile
 import time
 
 import pytest
@@ -30,8 +31,25 @@ def _first(local_dir, nodes=NODES, rpn=1):
     return first
 
 
-def test_spare_replaces_a_wiped_node_and_two_nodes_swap(local_dir):
-    first = _first(local_dir)
+@pytest.fixture(scope="module")
+def saved4():
+    """One save by 4 ranks on nodes A-D (steps 2 and 4), shared by the tests below: each
+    restores from its own copy of the RAM folders (see :func:`_copy`)."""
+    base = tempfile.mkdtemp(prefix="incluster-test-saved-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        yield base, _first(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _copy(saved, local_dir):
+    base, first = saved
+    shutil.copytree(base, local_dir, dirs_exist_ok=True)
+    return first
+
+
+def test_spare_replaces_a_wiped_node_and_two_nodes_swap(local_dir, saved4):
+    first = _copy(saved4, local_dir)
     shutil.rmtree(os.path.join(local_dir, "B"))  # node B is gone with its RAM
     after = ["C", "E", "A", "D"]  # spare E takes B's place; A and C swap positions
     codes, second, job = _run(local_dir, 1, nodes=after, env=THREAD)
@@ -55,8 +73,8 @@ def test_spare_for_a_node_of_two_ranks(local_dir):
     assert [second[r]["restore"]["source"] for r in range(4)] == ["local", "local", "peer", "peer"]
 
 
-def test_corrupt_byte_uses_the_replica_and_says_so(local_dir):
-    first = _first(local_dir)
+def test_corrupt_byte_uses_the_replica_and_says_so(local_dir, saved4):
+    first = _copy(saved4, local_dir)
     shard = os.path.join(local_dir, "C", "mp", "rank-00002", "step-000000000004.safetensors")
     with open(shard, "r+b") as f:
         f.seek(os.path.getsize(shard) // 2)
@@ -72,8 +90,8 @@ def test_corrupt_byte_uses_the_replica_and_says_so(local_dir):
     assert "checksum mismatch" in job.output(2)
 
 
-def test_lost_node_and_its_replica_partner_is_a_clear_error(local_dir):
-    _first(local_dir)
+def test_lost_node_and_its_replica_partner_is_a_clear_error(local_dir, saved4):
+    _copy(saved4, local_dir)
     shutil.rmtree(os.path.join(local_dir, "A"))  # rank 0's own copy
     shutil.rmtree(os.path.join(local_dir, "B"))  # and its only replica
     codes, second, job = _run(local_dir, 1, nodes=["E", "F", "C", "D"], env=THREAD)
@@ -96,10 +114,10 @@ def test_every_nodes_ram_wiped_restores_from_the_persistent_tier(local_dir, tmp_
     assert all(res["restore"]["source"] == "persistent" for res in second.values())
 
 
-def test_copies_of_abandoned_steps_are_dropped_everywhere_after_a_restore(local_dir):
+def test_copies_of_abandoned_steps_are_dropped_everywhere_after_a_restore(local_dir, saved4):
     """Steps newer than the restored one belong to an abandoned timeline: no node may keep
     any copy of them (a later restore could mix it with the new timeline's step)."""
-    first = _first(local_dir)  # steps 2 and 4 everywhere
+    first = _copy(saved4, local_dir)  # steps 2 and 4 everywhere
     shutil.rmtree(os.path.join(local_dir, "B"))
     # make step 4 incomplete: rank 1's only other copy (its replica on C) is lost too
     os.unlink(os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.json"))
@@ -118,11 +136,11 @@ def test_copies_of_abandoned_steps_are_dropped_everywhere_after_a_restore(local_
         assert created >= restarted, f"{path} is a commit record of the abandoned timeline"
 
 
-def test_a_corrupt_copy_found_in_transfer_falls_back_to_an_older_step_on_every_rank(local_dir):
+def test_a_corrupt_copy_found_in_transfer_falls_back_to_an_older_step_on_every_rank(local_dir, saved4):
     """Rank 1's only copy of step 4 (its replica on C) is corrupt: the receiver finds it
     chunk by chunk as the bytes land; ranks that already loaded step 4 from their own
     node load step 2 again, so every rank ends bitwise at step 2."""
-    first = _first(local_dir)  # steps 2 and 4 everywhere
+    first = _copy(saved4, local_dir)  # steps 2 and 4 everywhere
     shutil.rmtree(os.path.join(local_dir, "B"))
     shard = os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.safetensors")
     with open(shard, "r+b") as f:
