@@ -19,6 +19,11 @@ import torch.distributed as dist
 MAX_RECORD = 64 << 20  # bytes: a per-rank record far larger than this is not a record
 
 
+def active_dist() -> Any:
+    """``torch.distributed`` when a group of more than one rank is up, else None."""
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
 def device_for_collectives() -> torch.device:
     """Where tensors for the default group's collectives live (CUDA under NCCL)."""
     if dist.get_backend() == "nccl":

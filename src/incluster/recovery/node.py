@@ -100,6 +100,15 @@ def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
                     pass
 
 
+def uncommit(local_dir: str, job: str, owner: int, step: int) -> None:
+    """Un-commit a copy on this node found bad (its marker goes; the shard file stays
+    with whichever ring holds it)."""
+    try:
+        os.unlink(os.path.join(rank_folder(local_dir, job, owner), sidecar_file(step)))
+    except FileNotFoundError:
+        pass
+
+
 def bad_copy(ctx: Any, report: Any, owner: int, step: int, exc: Exception) -> None:
     log.warning("incluster: rank %d: the copy of rank %d's step %d on node %s is bad (%s); "
                 "it is set aside and another copy is used", ctx.rank, owner, step, ctx.node, exc)
@@ -130,9 +139,6 @@ def open_outgoing(ctx: Any, mine: RankPlan, report: Any) -> tuple[list[tuple[str
                 report.notes.append(f"sent rank {owner}'s shard from the identical shard of rank {peer} on {ctx.node}")
         except (CorruptCheckpointError, FileNotFoundError) as exc:
             bad_copy(ctx, report, owner, step, exc)
-            try:
-                os.unlink(os.path.join(folder, sidecar_file(step)))
-            except FileNotFoundError:
-                pass
+            uncommit(ctx.local_dir, ctx.job, owner, step)
             bad.append((ctx.node, owner, step))
     return bad, outgoing

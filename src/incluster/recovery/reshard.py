@@ -26,7 +26,6 @@ the sidecar's digests; the transfer itself is trusted to the process group's tra
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 from typing import Any, Callable, Mapping
 
@@ -38,24 +37,17 @@ from incluster.format.reader import MAX_HEADER_BYTES, parse_header
 from incluster.format.sidecar import MAX_SIDECAR_BYTES
 from incluster.recovery.boxes import local_slices
 from incluster.recovery.landing import direct_targets
-from incluster.recovery.node import bad_copy
+from incluster.recovery.gather import active_dist as _dist
+from incluster.recovery.node import bad_copy, uncommit
 from incluster.recovery.reshard_pieces import Maps, Piece, layout_digest, receiver_pieces, server_pieces, source_of
 from incluster.recovery.reshard_shard import (
     Live, Shard, byte_span, check_boxes, check_rest, live_layout, open_served, rewritten, shard_of, verify_spans, view_of,
 )
-from incluster.staging.slots import sidecar_file
 from incluster.state_load import load_into
-from incluster.tiers.local import rank_folder
 from incluster.writer.local_commit import parse_received_sidecar
 
 log = logging.getLogger("incluster")
 Collect = Callable[[list[tuple[str, int, int]]], bool]
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
 def _wire_device() -> torch.device:
@@ -121,7 +113,7 @@ class Reshard:
                 shard = open_served(ctx, self.step, o, self.maps.old_world)
             except CorruptCheckpointError as exc:
                 bad_copy(ctx, self.report, o, self.step, exc)
-                _uncommit(ctx, o, self.step)
+                uncommit(ctx.local_dir, ctx.job, o, self.step)
                 bad.append((ctx.node, o, self.step))
                 continue
             except (CheckpointError, OSError) as exc:  # OSError: its files went away meanwhile
@@ -144,7 +136,7 @@ class Reshard:
                 verify_spans(shard, spans, shard.reader.path)  # type: ignore[union-attr]
             except CorruptCheckpointError as exc:
                 bad_copy(ctx, self.report, o, self.step, exc)
-                _uncommit(ctx, o, self.step)
+                uncommit(ctx.local_dir, ctx.job, o, self.step)
                 bad.append((ctx.node, o, self.step))
             except CheckpointError as exc:
                 problem = problem or str(exc)
@@ -311,10 +303,3 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _run(dist: Any, ops: list[Any]) -> None:
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
-
-
-def _uncommit(ctx: Any, owner: int, step: int) -> None:
-    try:
-        os.unlink(os.path.join(rank_folder(ctx.local_dir, ctx.job, owner), sidecar_file(step)))
-    except FileNotFoundError:
-        pass

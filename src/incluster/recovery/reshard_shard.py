@@ -4,7 +4,7 @@ checking them, the file bytes a piece spans, the tree rewritten for the new layo
 
 from __future__ import annotations
 
-import os
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -16,7 +16,6 @@ from incluster.format.checksum import checksum_pool, digest
 from incluster.format.dtypes import NAME_TO_DTYPE, dtype_name
 from incluster.format.reader import ShardHeader
 from incluster.recovery.boxes import Box, Layout, coord_of, local_slices, numel
-from incluster.staging.slots import sidecar_file
 from incluster.state_load import live_dtensors, live_targets
 from incluster.tiers.local import ShardReader, rank_folder
 
@@ -73,8 +72,7 @@ def open_served(ctx: Any, step: int, owner: int, old_world: int) -> Shard:
             raise CorruptCheckpointError(
                 f"{folder}: step {step} claims rank {sc.rank} of {sc.world_size} of job {sc.job!r}"
             )
-        with open(os.path.join(folder, sidecar_file(step)), "rb") as f:
-            raw = f.read()
+        raw = json.dumps(sc.to_json(), separators=(",", ":")).encode()  # the record read once, as parsed
         shard = shard_of(owner, raw, sc, reader.header, reader.path)
         shard.reader = reader
         return shard

@@ -36,7 +36,7 @@ from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpoi
 from incluster.format.checksum import core_share
 from incluster.recovery.forward import forward_sidecars
 from incluster.recovery.from_persistent import download, fetch_old_shards, persistent_plan
-from incluster.recovery.gather import device_for_collectives, gather_to_zero, scatter_from_zero
+from incluster.recovery.gather import active_dist as _dist, device_for_collectives, gather_to_zero, scatter_from_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing
 from incluster.recovery.plan import RankPlan, make_plan
@@ -84,12 +84,6 @@ class RestoreReport:
             f"incluster restore: rank {self.rank} on {self.node}: step {self.step} from {src}, "
             f"{self.bytes} bytes in {self.seconds:.3f} s{extra}"
         )
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
 @dataclass
