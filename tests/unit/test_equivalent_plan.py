@@ -75,3 +75,51 @@ def test_a_rebuilt_copy_that_fails_is_not_rebuilt_on_the_same_node_again():
     assert LIVE.node_of[to2] not in (node, "n2")
     last = {("n0", 1, 2), ("n3", 1, 2)}  # every node with identical bytes has failed rank 1
     assert make_plan(LIVE, healed, exclude | last).step is None
+
+
+def test_a_set_aside_record_is_forwarded_locally_without_a_process_group(local_dir):
+    """One process, nothing to send: rank 1's record, set aside with its bad bytes, is
+    committed as a shared copy of rank 0's identical shard (every record compared)."""
+    import os
+    from types import SimpleNamespace
+
+    from incluster.format.checksum import compute
+    from incluster.format.sidecar import Sidecar, read_sidecar, write_sidecar
+    from incluster.recovery.forward import forward_sidecars
+    from incluster.recovery.node import BAD_SUFFIX, node_inventory
+    from incluster.recovery.plan import RankPlan
+    from incluster.staging.slots import sidecar_file, step_file
+    from incluster.tiers.local import data_path, rank_folder
+
+    data = bytes(range(256)) * 64
+    for r in (0, 1):
+        os.makedirs(rank_folder(local_dir, "job", r))
+        sc = Sidecar("job", 5, r, 2, "n0", step_file(5), compute(data, len(data)), "fp", {"d": []}, extra={"pos": r})
+        write_sidecar(os.path.join(rank_folder(local_dir, "job", r), sidecar_file(5)), sc)
+    with open(os.path.join(rank_folder(local_dir, "job", 0), step_file(5)), "wb") as f:
+        f.write(data)
+    one = os.path.join(rank_folder(local_dir, "job", 1), sidecar_file(5))
+    os.replace(one, one + BAD_SUFFIX)  # its bytes failed: the record was set aside
+    inv = sorted(node_inventory(local_dir, "job"))
+    assert [i[:4] for i in inv] == [(0, 5, len(data), 2), (1, 5, -1, 2)] and inv[0][4] == inv[1][4] != 0
+    ctx = SimpleNamespace(local_dir=local_dir, job="job", rank=0, node="n0")
+    mine = RankPlan(5, forwarding=True, forward_send=((1, 0),), forward_recv=((1, 0, 0, "n0"),))
+    healed, bad = forward_sidecars(ctx, mine)
+    assert bad == [] and [h[:3] for h in healed] == [("n0", 1, 5)]
+    rebuilt = read_sidecar(one)
+    assert rebuilt.rank == 1 and rebuilt.extra["pos"] == 1 and rebuilt.extra["shared_with"] == 0
+    assert data_path(rank_folder(local_dir, "job", 1), rebuilt) == os.path.join(rank_folder(local_dir, "job", 0), step_file(5))
+
+
+def test_the_content_id_is_read_only_where_the_writer_puts_it(local_dir):
+    import os
+
+    from incluster.recovery.node import _head
+
+    path = os.path.join(local_dir, "old.json")  # a record from before content ids, with a key named content
+    with open(path, "w") as f:
+        f.write('{"format":"incluster-sidecar","world_size":4,"node":"n0","tree":{"d":[["content",7]]}}')
+    assert _head(path) == (4, 0)
+    with open(path, "w") as f:
+        f.write('{"format":"incluster-sidecar","world_size":4,"content":-99,"node":"n0"}')
+    assert _head(path) == (4, -99)

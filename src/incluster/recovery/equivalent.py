@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 from incluster.topology import Topology
 
 SIDECAR_BAD = "<sidecar>"  # exclusion of (SIDECAR_BAD + node, owner, step): that sidecar is unusable
 _ANY = -1
+_CHOICES = 16  # stand-ins weighed per rebuilt shard
 
 Sidecars = Mapping[tuple[int, int], list[tuple[str, int, int]]]  # (owner, step) -> [(node, world, content)]
 Contents = Mapping[tuple[int, int], list[tuple[str, int, int]]]  # (step, content) -> [(node, owner, world)]
@@ -64,29 +65,22 @@ def index(
 
 def _stand_ins(
     sidecars: Sidecars, contents: Contents, owner: int, step: int, world: int, exclude: set[tuple[str, int, int]]
-) -> list[tuple[str, str, int]]:
-    """(sidecar node, bytes node, bytes owner) pairs that can rebuild ``owner``'s shard. A
-    node where a copy of the owner itself was found bad is never the bytes node: a copy
-    rebuilt there that then failed is not rebuilt there again (each failure narrows the
-    choice, so the rounds end)."""
-    out = []
+) -> Iterator[tuple[str, str, int]]:
+    """(sidecar node, bytes node, bytes owner) pairs that can rebuild ``owner``'s shard, in
+    order, lazily. A node where a copy of the owner itself was found bad is never the
+    bytes node: a copy rebuilt there that then failed is not rebuilt there again."""
     for a, w, content in sidecars.get((owner, step), ()):
         if w not in (world, _ANY):
             continue
         for b, p, w2 in contents.get((step, content), ()):
             if p != owner and w2 in (world, _ANY) and (b, owner, step) not in exclude:
-                out.append((a, b, p))
-    return out
+                yield a, b, p
 
 
-def forwardable(sidecars: Sidecars, contents: Contents, exclude: set[tuple[str, int, int]]) -> dict[int, dict[int, set[int]]]:
-    """step -> world -> owners whose shard a forwarding round can rebuild."""
-    out: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
-    for (owner, step), copies in sidecars.items():
-        for w in {w for _, w, _ in copies if w > 0}:
-            if _stand_ins(sidecars, contents, owner, step, w, exclude):
-                out[step][w].add(owner)
-    return out
+def can_rebuild(sidecars: Sidecars, contents: Contents, exclude: set[tuple[str, int, int]]) -> Callable[[int, int, int], bool]:
+    """``(owner, step, world) -> bool``: a forwarding round can rebuild that shard. Asked
+    only for shards with no usable copy, and it stops at the first stand-in."""
+    return lambda owner, step, world: next(_stand_ins(sidecars, contents, owner, step, world, exclude), None) is not None
 
 
 def plan_forwards(
@@ -94,15 +88,20 @@ def plan_forwards(
     ranks_on: Mapping[str, list[int]], exclude: set[tuple[str, int, int]],
 ) -> list[Forward]:
     """One forward per lacking owner: to the owner's own node where it holds identical
-    bytes (the owner then reads locally), else to the node with the fewest forwards."""
+    bytes (the owner then reads locally), else to the least loaded of the first
+    ``_CHOICES`` nodes that do (bounded work per owner, whatever the world size)."""
     load: dict[int, int] = defaultdict(int)
     per_node: dict[str, int] = defaultdict(int)
     out = []
     for o in lacking:
-        pairs = _stand_ins(sidecars, contents, o, step, world, exclude)
+        home = topo.node_of[o] if o < topo.world_size else None
+        pairs = []
+        for pair in _stand_ins(sidecars, contents, o, step, world, exclude):
+            pairs.append(pair)
+            if pair[1] == home or len(pairs) >= _CHOICES:
+                break
         if not pairs:
             continue
-        home = topo.node_of[o] if o < topo.world_size else None
         a, b, p = min(pairs, key=lambda t: (t[1] != home, per_node[t[1]], t[0] != t[1]))
         per_node[b] += 1
         receiver = o if b == home else min(ranks_on[b], key=lambda r: (load[r], r))

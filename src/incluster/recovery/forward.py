@@ -20,9 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from incluster import reserve
 from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.format.sidecar import MAX_SIDECAR_BYTES, read_sidecar, write_sidecar
 from incluster.recovery.equivalent import SIDECAR_BAD
+from incluster.recovery.node import BAD_SUFFIX
 from incluster.recovery.gather import device_for_collectives
 from incluster.recovery.plan import RankPlan
 from incluster.staging.slots import sidecar_file
@@ -31,7 +33,7 @@ from incluster.writer.local_commit import parse_received_sidecar
 
 log = logging.getLogger("incluster")
 Bad = tuple[str, int, int]
-Healed = tuple[str, int, int, int, int, int]  # node, owner, step, bytes, world, content
+Healed = tuple[str, int, int, int, int, int, str]  # node, owner, step, bytes, world, content, sidecar's node
 
 
 def forward_sidecars(ctx: Any, mine: RankPlan) -> tuple[list[Healed], list[Bad]]:
@@ -52,6 +54,32 @@ def forward_sidecars(ctx: Any, mine: RankPlan) -> tuple[list[Healed], list[Bad]]
         else:
             out.append((dst, raw))
     remote = [rec for rec in mine.forward_recv if rec[1] != ctx.rank]
+    got = iter(_exchange(out, remote))
+    received = [(rec, local.get(rec[0], b"") if rec[1] == ctx.rank else next(got)) for rec in mine.forward_recv]
+    healed: list[Healed] = []
+    for (owner, _, bytes_of, from_node), raw in received:
+        if not raw:
+            continue  # its sender could not read it, and said so
+        try:
+            healed.append(_commit(ctx, step, owner, bytes_of, raw) + (from_node,))
+        except _PeerCopyBad as exc:
+            log.warning("incluster: rank %d: %s", ctx.rank, exc)
+            bad.append((ctx.node, bytes_of, step))
+        except OSError as exc:  # my own write (a full RAM disk): not the sidecar's fault
+            log.warning("incluster: rank %d: rank %d's step %d cannot be rebuilt on %s (%s)", ctx.rank, owner, step, ctx.node, exc)
+            bad.append((ctx.node, owner, step))
+        except CorruptCheckpointError as exc:
+            log.warning("incluster: rank %d: rank %d's sidecar of step %d from %s is unusable (%s)",
+                        ctx.rank, owner, step, from_node, exc)
+            bad.append((SIDECAR_BAD + from_node, owner, step))
+    return healed, bad
+
+
+def _exchange(out: list[tuple[int, bytes]], remote: list[tuple[int, int, int, str]]) -> list[bytes]:
+    """Sizes, then bytes, point to point; nothing to move (a single process, or every
+    sidecar already on its receiver's node) touches no process group."""
+    if not out and not remote:
+        return []
     dev = device_for_collectives()
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in remote]
     ops = [dist.P2POp(dist.isend, torch.tensor([len(raw)], dtype=torch.int64, device=dev), dst) for dst, raw in out]
@@ -64,29 +92,14 @@ def forward_sidecars(ctx: Any, mine: RankPlan) -> tuple[list[Healed], list[Bad]]
     ops = [dist.P2POp(dist.isend, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev), dst) for dst, raw in out if raw]
     ops += [dist.P2POp(dist.irecv, b, rec[1]) for b, rec in zip(bufs, remote) if b.numel()]
     _run(ops)
-    got = iter(b.cpu().numpy().tobytes() for b in bufs)
-    received = [(rec, local.get(rec[0], b"") if rec[1] == ctx.rank else next(got)) for rec in mine.forward_recv]
-    healed: list[Healed] = []
-    for (owner, _, bytes_of, from_node), raw in received:
-        if not raw:
-            continue  # its sender could not read it, and said so
-        try:
-            healed.append(_commit(ctx, step, owner, bytes_of, raw))
-        except _PeerCopyBad as exc:
-            log.warning("incluster: rank %d: %s", ctx.rank, exc)
-            bad.append((ctx.node, bytes_of, step))
-        except (CorruptCheckpointError, OSError) as exc:
-            log.warning("incluster: rank %d: rank %d's sidecar of step %d from %s is unusable (%s)",
-                        ctx.rank, owner, step, from_node, exc)
-            bad.append((SIDECAR_BAD + from_node, owner, step))
-    return healed, bad
+    return [b.cpu().numpy().tobytes() for b in bufs]
 
 
 class _PeerCopyBad(Exception):
     """The identical copy on this node is not there or not what the inventory said."""
 
 
-def _commit(ctx: Any, step: int, owner: int, bytes_of: int, raw: bytes) -> Healed:
+def _commit(ctx: Any, step: int, owner: int, bytes_of: int, raw: bytes) -> tuple[str, int, int, int, int, int]:
     """Check the received sidecar against the copy of ``bytes_of`` on this node and commit
     it as a shared copy of ``owner``'s shard whose bytes are that copy's."""
     peer_folder = rank_folder(ctx.local_dir, ctx.job, bytes_of)
@@ -106,7 +119,9 @@ def _commit(ctx: Any, step: int, owner: int, bytes_of: int, raw: bytes) -> Heale
     folder = rank_folder(ctx.local_dir, ctx.job, owner)
     os.makedirs(folder, exist_ok=True)
     extra = {**sc.extra, "replica_on": ctx.node, "shared_with": holder}
-    write_sidecar(os.path.join(folder, sidecar_file(step)), dataclasses.replace(sc, extra=extra))
+    rebuilt = dataclasses.replace(sc, extra=extra)
+    path = os.path.join(folder, sidecar_file(step))
+    reserve.write_or_spend(lambda: write_sidecar(path, rebuilt), os.path.dirname(folder))
     log.info("incluster: rank %d: rank %d's step %d rebuilt on %s from rank %d's identical shard",
              ctx.rank, owner, step, ctx.node, holder)
     from incluster.format.checksum import content_id
@@ -115,10 +130,17 @@ def _commit(ctx: Any, step: int, owner: int, bytes_of: int, raw: bytes) -> Heale
 
 
 def _read(folder: str, step: int) -> bytes:
-    """A sidecar's raw bytes (b"" if missing, a link, or over the cap)."""
-    try:
-        fd = os.open(os.path.join(folder, sidecar_file(step)), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+    """A sidecar's raw bytes, or the record a restore set aside with its bad copy
+    (``.bad``: its bytes failed, the record may not have); b"" if missing, a link, or
+    over the cap."""
+    path = os.path.join(folder, sidecar_file(step))
+    for name in (path, path + BAD_SUFFIX):
+        try:
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            break
+        except OSError:
+            continue
+    else:
         return b""
     try:
         if os.fstat(fd).st_size > MAX_SIDECAR_BYTES:

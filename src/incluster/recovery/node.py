@@ -16,6 +16,8 @@ from incluster.format.sidecar import read_sidecar
 from incluster.tiers.local import ShardReader, committed_steps, data_path, rank_folder
 
 log = logging.getLogger("incluster")
+BAD_SUFFIX = ".bad"  # a commit record set aside with its bad copy
+_SET_ASIDE = re.compile(r"^step-(\d{12,})\.json\.bad$")
 
 
 def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int, int]]:
@@ -33,7 +35,11 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int, i
     for n in names:
         if n.startswith("rank-") and n[5:].isdigit():
             folder = os.path.join(base, n)
-            for step in committed_steps(folder):
+            steps = committed_steps(folder)
+            for step in _set_aside(folder, steps):  # records of bad copies: sidecars only
+                world, content = _head(os.path.join(folder, sidecar_file(step) + BAD_SUFFIX))
+                out.append((int(n[5:]), step, -1, world, content))
+            for step in steps:
                 size: int | None
                 try:
                     size = os.stat(os.path.join(folder, step_file(step))).st_size
@@ -42,6 +48,15 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int, i
                 world, content = _head(os.path.join(folder, sidecar_file(step)))
                 out.append((int(n[5:]), step, -1 if size is None else size, world, content))
     return out
+
+
+def _set_aside(folder: str, committed: list[int]) -> list[int]:
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    done = set(committed)
+    return [s for n in names if (m := _SET_ASIDE.match(n)) and (s := int(m.group(1))) not in done]
 
 
 def _shared_size(folder: str, step: int) -> int | None:
@@ -54,8 +69,7 @@ def _shared_size(folder: str, step: int) -> int | None:
         return None
 
 
-_WORLD = re.compile(rb'"world_size":(\d{1,9})[,}]')
-_CONTENT = re.compile(rb'"content":(-?\d{1,20})[,}]')
+_HEAD = re.compile(rb'"world_size":\s*(\d{1,9})(?:,\s*"content":\s*(-?\d{1,20}))?\s*[,}]')  # content right after
 
 
 def _head(path: str) -> tuple[int, int]:
@@ -66,8 +80,8 @@ def _head(path: str) -> tuple[int, int]:
             head = f.read(4096)
     except OSError:
         return -1, 0
-    w, c = _WORLD.search(head), _CONTENT.search(head)
-    return (int(w.group(1)) if w else -1), (int(c.group(1)) if c else 0)
+    m = _HEAD.search(head)
+    return (int(m.group(1)) if m else -1), (int(m.group(2)) if m and m.group(2) else 0)
 
 
 def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
@@ -88,6 +102,12 @@ def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
         if not (n.startswith("rank-") and n[5:].isdigit()):
             continue
         folder = os.path.join(base, n)
+        for newer in _set_aside(folder, []):
+            if newer > step:  # a record of the abandoned timeline: never forwarded
+                try:
+                    os.unlink(os.path.join(folder, sidecar_file(newer) + BAD_SUFFIX))
+                except FileNotFoundError:
+                    pass
         if os.path.abspath(folder) == mine:
             continue  # my own ring un-committed them (reset_to); their files are its slots
         for newer in committed_steps(folder):
@@ -101,10 +121,13 @@ def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
 
 
 def uncommit(local_dir: str, job: str, owner: int, step: int) -> None:
-    """Un-commit a copy on this node found bad (its marker goes; the shard file stays
-    with whichever ring holds it)."""
+    """Un-commit a copy on this node found bad: its marker is set aside as
+    ``step-N.json.bad`` (the bytes failed; the record may still be good, and a restore can
+    forward it to where identical bytes are, see :mod:`incluster.recovery.forward`). The
+    shard file stays with whichever ring holds it."""
+    path = os.path.join(rank_folder(local_dir, job, owner), sidecar_file(step))
     try:
-        os.unlink(os.path.join(rank_folder(local_dir, job, owner), sidecar_file(step)))
+        os.replace(path, path + BAD_SUFFIX)
     except FileNotFoundError:
         pass
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from incluster.errors import CheckpointError
-from incluster.recovery.equivalent import forwardable, index, plan_forwards
+from incluster.recovery.equivalent import can_rebuild, index, plan_forwards
 from incluster.topology import Topology
 
 Holdings = Mapping[str, Iterable[tuple[int, ...]]]  # node -> {(owner, step[, size[, world[, content]]])}
@@ -86,24 +86,23 @@ def nodes_of(holders: Holders, owner: int, step: int, world: int) -> list[str]:
 
 
 def choose_step(
-    holders: Holders, world: int, also: Mapping[int, Mapping[int, set[int]]] | None = None
+    holders: Holders, world: int, rebuild: Callable[[int, int, int], bool] | None = None
 ) -> tuple[int | None, int | None, dict[int, list[int]]]:
     """Newest step with a copy of every shard of the world that saved it (this job's
-    world size preferred; ``also``: step -> world -> owners that can be rebuilt); that
-    world size; and, for newer steps, which of this world's ranks lack a copy."""
+    world size preferred; ``rebuild(owner, step, world)``: that shard, with no copy, can be
+    rebuilt); that world size; and, for newer steps, which of this world's ranks lack a
+    copy."""
     per_step: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     for (owner, step), copies in holders.items():
         for _, w in copies:
             per_step[step][w].add(owner)
-    for step, by_world in (also or {}).items():
-        for w, owners in by_world.items():
-            per_step[step][w] |= owners
     missing: dict[int, list[int]] = {}
     for step in sorted(per_step, reverse=True):
         by_world = per_step[step]
         unknown = by_world.get(ANY_WORLD, set())
         for w in [world] + sorted((w for w in by_world if w > 0 and w != world), reverse=True):
-            if len({o for o in by_world.get(w, set()) | unknown if o < w}) == w:
+            have = {o for o in by_world.get(w, set()) | unknown if o < w}
+            if len(have) == w or (rebuild is not None and all(rebuild(o, step, w) for o in range(w) if o not in have)):
                 return step, w, missing
         missing[step] = sorted(set(range(world)) - by_world.get(world, set()) - unknown)
     return None, None, missing
@@ -117,7 +116,7 @@ def make_plan(
     exclude = exclude or set()
     holders = index_holders(holdings, topo, exclude)
     sidecars, contents = index(holdings, topo, exclude)
-    step, world, missing = choose_step(holders, topo.world_size, forwardable(sidecars, contents, exclude))
+    step, world, missing = choose_step(holders, topo.world_size, can_rebuild(sidecars, contents, exclude))
     if step is None or world is None:
         return Plan(None, [RankPlan(None) for _ in range(topo.world_size)], missing)
     ranks_on = defaultdict(list)

@@ -34,12 +34,13 @@ import torch
 
 from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from incluster.format.checksum import core_share
+from incluster.recovery.equivalent import SIDECAR_BAD
 from incluster.recovery.forward import forward_sidecars
 from incluster.recovery.from_persistent import download, fetch_old_shards, persistent_plan
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, gather_to_zero, scatter_from_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
-from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing
-from incluster.recovery.plan import RankPlan, make_plan
+from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing, uncommit
+from incluster.recovery.plan import Plan, RankPlan, make_plan
 from incluster.recovery.reshard import Reshard
 from incluster.recovery.reshard_pieces import Maps
 from incluster.recovery.reshard_shard import mesh_changed
@@ -134,6 +135,7 @@ class _Run:
         self.dirty = False  # the live state holds bytes of a copy or step not (or no longer) chosen
         self.extra: list[tuple[str, list[tuple[int, ...]]]] = []  # rank 0: copies healed so far
         self.exclude: set[tuple[str, int, int]] = set()  # rank 0: bad copies
+        self.origin: dict[tuple[str, int, int], str] = {}  # rank 0: rebuilt copy -> node of its sidecar
         self.received: Any = None  # a verified copy received from a peer, not yet healed
 
     def go(self) -> None:
@@ -156,7 +158,7 @@ class _Run:
             ctx.ring.reset_to(mine.step)
             abandon_newer(ctx.local_dir, ctx.job, mine.step, ctx.ring)
             if mine.forwarding:  # rebuild lost shards where identical bytes are, then plan again
-                rebuilt, bad = forward_sidecars(ctx, mine) if dist is not None else ([], [])
+                rebuilt, bad = forward_sidecars(ctx, mine)
                 self._collect(bad, rebuilt, every=True)
                 report.notes.extend(f"rank {h[1]}'s step {h[2]} rebuilt on {h[0]} from an identical shard" for h in rebuilt)
                 continue
@@ -300,6 +302,7 @@ class _Run:
             if landing is not None:
                 self.dirty, self.loaded = True, None
             bad_copy(ctx, self.report, ctx.rank, step, exc)
+            uncommit(ctx.local_dir, ctx.job, ctx.rank, step)  # the record is set aside, not lost
             ctx.ring.discard(step)  # my own slot: the ring must forget it too
             return [(ctx.node, ctx.rank, step)]
         return []
@@ -321,17 +324,26 @@ class _Run:
         dist = _dist()
         if dist is None:
             self.exclude.update(bad)
-            return bool(bad)
+            for h in healed:
+                self.extra.append((h[0], [tuple(h[1:6])]))
+            return bool(bad) or every
         if not every:
             count = torch.tensor([len(bad)], dtype=torch.int64, device=device_for_collectives())
             dist.all_reduce(count)
             if int(count.item()) == 0:
                 return False
         got = gather_to_zero((bad, list(healed)), ctx.rank, ctx.world_size)
-        for b, hs in got or ():
-            self.exclude.update(tuple(x) for x in b)  # type: ignore[misc]
+        for _, hs in got or ():
             for h in hs:
-                self.extra.append((h[0], [tuple(h[1:])]))
+                if len(h) > 6:  # rebuilt by forwarding: remember whose sidecar it carries
+                    self.origin[(h[0], h[1], h[2])] = h[6]
+                self.extra.append((h[0], [tuple(h[1:6])]))
+        for b, _ in got or ():
+            for x in b:
+                self.exclude.add(tuple(x))  # type: ignore[arg-type]
+                if (src := self.origin.get(tuple(x))) is not None:  # type: ignore[arg-type]
+                    # a rebuilt copy failed: its sidecar is not tried again (one attempt each)
+                    self.exclude.add((SIDECAR_BAD + src, x[1], x[2]))
         return True
 
 
@@ -389,10 +401,16 @@ def _plan_round(
             if inv is not None:
                 holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
         remesh = any(e[0] == MESH for e in exclude)
-        plan = make_plan(topo, holdings, exclude, force_reshard=remesh)
-        persisted = persistent_plan(ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of],
-                                    remesh=remesh)
-        if persisted is not None:
+        failed = None
+        try:
+            plan = make_plan(topo, holdings, exclude, force_reshard=remesh)
+        except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
+            plan, failed = Plan(None, []), str(exc)
+        persisted = None if failed else persistent_plan(
+            ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of], remesh=remesh)
+        if failed is not None:
+            plans = [failed] * ctx.world_size
+        elif persisted is not None:
             plans = persisted
         elif plan.step is None and plan.missing:
             newest = max(plan.missing)

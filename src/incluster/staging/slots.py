@@ -38,6 +38,7 @@ log = logging.getLogger("incluster")
 STAGING_PREFIX = ".staging-"
 _SHARD = re.compile(r"^step-(\d{12,})\.safetensors$")
 _SIDECAR = re.compile(r"^step-(\d{12,})\.json$")
+_SET_ASIDE = re.compile(r"^step-(\d{12,})\.json\.bad$")  # a record set aside with its bad copy
 
 
 def step_file(step: int) -> str:
@@ -395,7 +396,7 @@ class SlotRing:
         with self._cond:  # a commit in flight renames and marks under this lock too
             held = {s.step for s in self.slots if s.step is not None and s.state is not SlotState.FREE}
             for name in sorted(os.listdir(self.folder)):  # ".json" (the marker) before the shard
-                m = _SHARD.match(name) or _SIDECAR.match(name)
+                m = _SHARD.match(name) or _SIDECAR.match(name) or _SET_ASIDE.match(name)
                 if m and int(m.group(1)) < newest and int(m.group(1)) not in held:
                     try:
                         os.unlink(os.path.join(self.folder, name))
