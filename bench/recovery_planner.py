@@ -27,12 +27,15 @@ def planner_case(world: int, rpn: int, runs: int, swaps: int = 4, check_placemen
             t = replica_targets(before, r, 1)
             i, l = divmod(r, rpn)
             assert t == [((i + 1) % n_nodes) * rpn + l], (r, t)
-    held: dict[str, list[tuple[int, int]]] = {n: [] for n in names}
+    held: dict[str, list[tuple[int, ...]]] = {n: [] for n in names}
     for r in range(world):
         i = r // rpn
         for s in steps:
-            held[names[i]].append((r, s))
-            held[names[(i + 1) % n_nodes]].append((r, s))  # replica 1: next node, same local rank
+            # the inventory as node_inventory lists it: (owner, step, bytes, world, content id);
+            # one content id for all: data-parallel shards, the planner's worst case
+            item = (r, s, 1 << 30, world, 0x5EED0000 + s)
+            held[names[i]].append(item)
+            held[names[(i + 1) % n_nodes]].append(item)  # replica 1: next node, same local rank
     after = list(names)
     lost = n_nodes // 3
     after[lost] = "spare-0"
