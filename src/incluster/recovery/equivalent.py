@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from incluster.topology import Topology
 
@@ -77,10 +77,25 @@ def _stand_ins(
                 yield a, b, p
 
 
-def can_rebuild(sidecars: Sidecars, contents: Contents, exclude: set[tuple[str, int, int]]) -> Callable[[int, int, int], bool]:
-    """``(owner, step, world) -> bool``: a forwarding round can rebuild that shard. Asked
-    only for shards with no usable copy, and it stops at the first stand-in."""
-    return lambda owner, step, world: next(_stand_ins(sidecars, contents, owner, step, world, exclude), None) is not None
+class StandIns:
+    """The index of sidecars and identical copies, built the first time it is needed (a
+    plan where every shard has a copy never builds it)."""
+
+    def __init__(self, holdings: Mapping[str, Iterable[tuple[int, ...]]], topo: Topology,
+                 exclude: set[tuple[str, int, int]]) -> None:
+        self.holdings, self.topo, self.exclude = holdings, topo, exclude
+        self._index: tuple[Sidecars, Contents] | None = None
+
+    @property
+    def index(self) -> tuple[Sidecars, Contents]:
+        if self._index is None:
+            self._index = index(self.holdings, self.topo, self.exclude)
+        return self._index
+
+    def can_rebuild(self, owner: int, step: int, world: int) -> bool:
+        """A forwarding round can rebuild that shard (asked only for shards with no usable
+        copy; stops at the first stand-in)."""
+        return next(_stand_ins(*self.index, owner, step, world, self.exclude), None) is not None
 
 
 def plan_forwards(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from incluster.errors import CheckpointError
-from incluster.recovery.equivalent import can_rebuild, index, plan_forwards
+from incluster.recovery.equivalent import StandIns, plan_forwards
 from incluster.topology import Topology
 
 Holdings = Mapping[str, Iterable[tuple[int, ...]]]  # node -> {(owner, step[, size[, world[, content]]])}
@@ -115,8 +115,8 @@ def make_plan(
     ``force_reshard``: a resharding plan even at the same world size."""
     exclude = exclude or set()
     holders = index_holders(holdings, topo, exclude)
-    sidecars, contents = index(holdings, topo, exclude)
-    step, world, missing = choose_step(holders, topo.world_size, can_rebuild(sidecars, contents, exclude))
+    stand_ins = StandIns(holdings, topo, exclude)
+    step, world, missing = choose_step(holders, topo.world_size, stand_ins.can_rebuild)
     if step is None or world is None:
         return Plan(None, [RankPlan(None) for _ in range(topo.world_size)], missing)
     ranks_on = defaultdict(list)
@@ -124,7 +124,7 @@ def make_plan(
         ranks_on[n].append(r)
     lacking = [o for o in range(world) if not nodes_of(holders, o, step, world)]
     if lacking:
-        forwards = plan_forwards(lacking, step, world, sidecars, contents, topo, ranks_on, exclude)
+        forwards = plan_forwards(lacking, step, world, *stand_ins.index, topo, ranks_on, exclude)
         if len(forwards) != len(lacking):
             raise CheckpointError(f"the restore plan for step {step} found no way to rebuild rank(s) {lacking}; please report this")
         return _forward_plan(topo, forwards, missing)
