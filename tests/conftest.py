@@ -33,6 +33,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _ranks_forked_from_a_zygote() -> Iterator[None]:
+    """Multi-rank tests start their ranks by forking one process that imported torch once
+    (``incluster.testing.zygote``): each rank is still its own process, killed by real
+    signals; only the second of CPU each fresh ``import torch`` costs is saved.
+    INCLUSTER_TEST_FRESH_RANKS=1 starts fresh interpreters instead."""
+    if os.environ.get("INCLUSTER_TEST_FRESH_RANKS") == "1":
+        yield
+        return
+    from incluster.testing import launch
+    from incluster.testing.zygote import Zygote
+
+    zygote = Zygote()
+    launch.use_zygote(zygote)
+    try:
+        yield
+    finally:
+        launch.use_zygote(None)
+        zygote.close()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's S3 server on 127.0.0.1 for the whole session (installed by `make test`)."""

@@ -15,7 +15,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+_zygote: Any = None  # a testing.zygote.Zygote that forks ranks, or None: fresh interpreters
+
+
+def use_zygote(zygote: Any) -> None:
+    """Start later ranks by forking ``zygote`` (an :class:`incluster.testing.zygote.Zygote`,
+    which imported torch once) instead of a fresh interpreter each; None turns it off.
+    For test suites: each rank is still a process of its own."""
+    global _zygote
+    _zygote = zygote
 
 
 def free_port() -> int:
@@ -26,7 +36,7 @@ def free_port() -> int:
 
 @dataclass
 class Job:
-    procs: list[subprocess.Popen[bytes]]
+    procs: list[Any]  # subprocess.Popen, or zygote.ZygoteChild (the same interface)
     logs: list[str]
     nodes: list[str]
     started: float = field(default_factory=time.monotonic)
@@ -93,7 +103,11 @@ def launch(
         )
         e.update((rank_env or {}).get(rank, {}))
         log = os.path.join(base_dir, f"rank-{rank}.log")
-        with open(log, "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=out, stderr=subprocess.STDOUT))
+        if _zygote is not None:
+            open(log, "wb").close()  # there even if the rank dies before it opens it
+            procs.append(_zygote.spawn(argv, env=e, log=log))
+        else:
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=out, stderr=subprocess.STDOUT))
         logs.append(log)
     return Job(procs, logs, [nodes[r // ranks_per_node] for r in range(world)])
