@@ -164,3 +164,26 @@ def test_checksum_record_round_trips_and_rejects_bad_records():
         Checksum.from_json(bad, "x")
     with pytest.raises(CorruptCheckpointError):
         Checksum.from_json(ck.to_json() | {"algo": "md5"}, "x")
+
+
+def test_a_flipped_byte_in_a_state_tree_name_is_caught_by_the_sidecars_own_digest(tmp_path):
+    """A name in the tree with one bit flipped still parses, and would load a state with a
+    wrong key (an optimizer missing "exp_avg") behind valid shard checksums."""
+    import json as _json
+
+    from incluster.errors import CorruptCheckpointError
+    from incluster.format.checksum import compute
+    from incluster.format.sidecar import Sidecar, read_sidecar, write_sidecar
+
+    tree = {"d": [["optim", {"d": [["exp_avg", {"v": 1}]]}]]}
+    sc = Sidecar("job", 6, 3, 4, "D", "step-000000000006.safetensors", compute(b"x" * 64, 64), "fp", tree)
+    path = str(tmp_path / "step-000000000006.json")
+    write_sidecar(path, sc)
+    assert read_sidecar(path).tree == tree
+    raw = open(path, "rb").read()
+    at = raw.index(b"exp_avg") + 4
+    with open(path, "wb") as f:
+        f.write(raw[:at] + bytes([raw[at] ^ 0x02]) + raw[at + 1 :])  # "exp_avg" -> "exp_cvg": still JSON
+    _json.loads(open(path, "rb").read())
+    with pytest.raises(CorruptCheckpointError, match="own digest"):
+        read_sidecar(path)

@@ -25,7 +25,7 @@ import torch
 from incluster.format.checksum import compute
 from incluster.format.dtypes import dtype_name
 from incluster.format.layout import TensorSpec, build_layout
-from incluster.format.sidecar import Sidecar, write_sidecar
+from incluster.format.sidecar import Sidecar, record_digest, write_sidecar
 from incluster.staging.engine import make_views
 from incluster.staging.slots import sidecar_file, step_file
 
@@ -281,6 +281,8 @@ def test_persistent_tier_is_listed_verified_and_exported(cluster: dict[str, str]
         shutil.copy(os.path.join(src, step_file(10)), d / f"rank-{rank:05d}.safetensors")
         sc = json.loads(open(os.path.join(src, sidecar_file(10))).read())
         sc["extra"] = {}
+        sc.pop("digest")
+        sc["digest"] = record_digest(sc)  # the record re-sealed after the edit, as the uploader writes it
         (d / f"rank-{rank:05d}.json").write_text(json.dumps(sc))
         infos.append({"rank": rank, "size": sc["checksum"]["size"], "checksum": sc["checksum"]})
     (d / "COMMITTED.json").write_text(json.dumps({"format": "incluster-manifest", "version": 1, "job": "j",

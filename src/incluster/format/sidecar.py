@@ -12,6 +12,8 @@ import errno
 import json
 import os
 import time
+
+import xxhash
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +22,7 @@ from incluster.format.checksum import Checksum, content_id
 from incluster.format.tree import check_tree
 
 SIDECAR_FORMAT = "incluster-sidecar"
-SIDECAR_VERSION = 1
+SIDECAR_VERSION = 2  # 2: the record carries a digest of itself ("digest"); 1 is still read
 MAX_SIDECAR_BYTES = 256 * 1024 * 1024
 
 
@@ -39,6 +41,11 @@ class Sidecar:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        body = self._body()
+        body["digest"] = record_digest(body)
+        return body
+
+    def _body(self) -> dict[str, Any]:
         return {
             "format": SIDECAR_FORMAT,
             "version": SIDECAR_VERSION,
@@ -60,11 +67,17 @@ class Sidecar:
     def from_json(cls, obj: Any, where: str) -> "Sidecar":
         if not isinstance(obj, dict) or obj.get("format") != SIDECAR_FORMAT:
             raise CorruptCheckpointError(f"{where}: not an incluster sidecar")
-        if obj.get("version") != SIDECAR_VERSION:
+        if obj.get("version") not in (1, SIDECAR_VERSION):
             raise CorruptCheckpointError(
                 f"{where}: sidecar version {obj.get('version')!r} is not supported by this incluster "
                 f"(expects {SIDECAR_VERSION}); upgrade incluster"
             )
+        if obj["version"] >= 2:
+            # The record's own checksum: a flipped byte in a name of the state tree would
+            # still parse, and load a state with a wrong key behind valid shard checksums.
+            body = {k: v for k, v in obj.items() if k != "digest"}
+            if obj.get("digest") != record_digest(body):
+                raise CorruptCheckpointError(f"{where}: the sidecar's own digest does not match its contents")
         try:
             sc = cls(
                 job=obj["job"],
@@ -91,6 +104,13 @@ class Sidecar:
             raise CorruptCheckpointError(f"{where}: sidecar names a shard outside its folder ({sc.shard!r})")
         check_tree(sc.tree, where)
         return sc
+
+
+def record_digest(body: dict[str, Any]) -> str:
+    """xxh3-64 (hex) of a record's canonical JSON (sorted keys, compact): the same for the
+    record however it was serialized, as long as it parses to the same values."""
+    canon = json.dumps(body, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    return format(xxhash.xxh3_64_intdigest(canon), "016x")
 
 
 def write_sidecar(path: str, sidecar: Sidecar, fsync: bool = False) -> None:
