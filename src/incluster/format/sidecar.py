@@ -72,12 +72,6 @@ class Sidecar:
                 f"{where}: sidecar version {obj.get('version')!r} is not supported by this incluster "
                 f"(expects {SIDECAR_VERSION}); upgrade incluster"
             )
-        if obj["version"] >= 2:
-            # The record's own checksum: a flipped byte in a name of the state tree would
-            # still parse, and load a state with a wrong key behind valid shard checksums.
-            body = {k: v for k, v in obj.items() if k != "digest"}
-            if obj.get("digest") != record_digest(body):
-                raise CorruptCheckpointError(f"{where}: the sidecar's own digest does not match its contents")
         try:
             sc = cls(
                 job=obj["job"],
@@ -102,7 +96,18 @@ class Sidecar:
             raise CorruptCheckpointError(f"{where}: sidecar has fields of the wrong type")
         if os.sep in sc.shard or sc.shard.startswith(".") or (os.altsep and os.altsep in sc.shard):
             raise CorruptCheckpointError(f"{where}: sidecar names a shard outside its folder ({sc.shard!r})")
-        check_tree(sc.tree, where)
+        check_tree(sc.tree, where)  # bounds the nesting before anything serializes it again
+        if obj["version"] >= 2:
+            # The record's own checksum (last: the checks above name what is wrong): a
+            # flipped byte in a name of the state tree would still parse, and load a state
+            # with a wrong key behind valid shard checksums.
+            body = {k: v for k, v in obj.items() if k != "digest"}
+            try:
+                ok = obj.get("digest") == record_digest(body)
+            except (TypeError, ValueError, RecursionError):
+                ok = False
+            if not ok:
+                raise CorruptCheckpointError(f"{where}: the sidecar's own digest does not match its contents")
         return sc
 
 
