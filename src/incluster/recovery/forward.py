@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from incluster import reserve
 from incluster.errors import CheckpointError, CorruptCheckpointError
+from incluster.format.checksum import content_id
 from incluster.format.sidecar import MAX_SIDECAR_BYTES, read_sidecar, write_sidecar
 from incluster.recovery.equivalent import SIDECAR_BAD
 from incluster.recovery.node import BAD_SUFFIX
-from incluster.recovery.gather import device_for_collectives
+from incluster.recovery.gather import _run, device_for_collectives
 from incluster.recovery.plan import RankPlan
 from incluster.staging.slots import sidecar_file
 from incluster.tiers.local import data_path, rank_folder
@@ -124,8 +125,6 @@ def _commit(ctx: Any, step: int, owner: int, bytes_of: int, raw: bytes) -> tuple
     reserve.write_or_spend(lambda: write_sidecar(path, rebuilt), os.path.dirname(folder))
     log.info("incluster: rank %d: rank %d's step %d rebuilt on %s from rank %d's identical shard",
              ctx.rank, owner, step, ctx.node, holder)
-    from incluster.format.checksum import content_id
-
     return (ctx.node, owner, step, size, sc.world_size, content_id(sc.checksum))
 
 
@@ -149,8 +148,3 @@ def _read(folder: str, step: int) -> bytes:
             return f.read(MAX_SIDECAR_BYTES + 1)[:MAX_SIDECAR_BYTES]
     finally:
         os.close(fd)
-
-
-def _run(ops: list[Any]) -> None:
-    for w in dist.batch_isend_irecv(ops) if ops else []:
-        w.wait()
