@@ -193,3 +193,50 @@ def test_a_persistent_step_replaces_a_nodes_own_copy_of_it(local_dir, tmp_path):
     assert codes == [0, 0], [job.output(r) for r in range(2)]
     _assert_restored(second, first, 2)
     assert all(res["restore"]["source"] == "persistent" for res in second.values())
+
+
+STAGED = {"WIRE_PIECE": "4096", "WIRE_WINDOW": "2"}  # the NCCL path's staged pieces, on CPU
+
+
+def test_a_restore_through_bounded_staged_pieces_is_bitwise_and_heals_its_node(local_dir):
+    """The path NCCL takes (every piece through a few reused buffers, never the whole
+    shard), run with CPU buffers: a spare receives rank 1's shard in 4 KiB pieces, two per
+    round, its state bitwise and its node's copy healed from those pieces alone; no
+    transfer held more than 2 rounds x 2 pieces x 4 KiB per direction."""
+    env = {**THREAD, "BN": "1"}  # a 280 KB buffer: many pieces of a live tensor
+    codes, first, job = _run(local_dir, 0, nodes=NODES, env=env)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    shutil.rmtree(os.path.join(local_dir, "B"))
+    after = ["A", "E", "C", "D"]
+    codes, second, job = _run(local_dir, 1, nodes=after, env={**env, **STAGED})
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(second, first, 4)
+    assert second[1]["restore"]["source"] == "peer" and second[1]["restore"]["source_node"] == "C"
+    bound = 2 * 2 * 4096
+    assert 0 < second[1]["wire_peak"] <= bound  # the receiver
+    assert 0 < second[2]["wire_peak"] <= bound  # rank 2 on C sent rank 1's replica
+    for node in ("A", "C", "D"):  # only E's healed copy of rank 1 is left
+        shutil.rmtree(os.path.join(local_dir, node, "mp", "rank-00001"), ignore_errors=True)
+    codes, third, job = _run(local_dir, 2, nodes=after, env=env)
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(third, first, 4)
+    assert third[1]["restore"]["source"] == "local" and third[1]["restore"]["source_node"] == "E"
+
+
+def test_a_corrupt_piece_on_the_staged_path_falls_back_to_an_older_step(local_dir, saved4):
+    """A flipped byte near the end of the shard, found in its piece as it lands: the
+    copy is rejected and every rank ends bitwise at step 2."""
+    first = _copy(saved4, local_dir)
+    shutil.rmtree(os.path.join(local_dir, "B"))
+    shard = os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    codes, second, job = _run(local_dir, 1, nodes=["A", "E", "C", "D"], env={**THREAD, **STAGED})
+    assert codes == [0] * 4, [job.output(r) for r in range(4)]
+    _assert_restored(second, first, 2)
+    r1 = second[1]["restore"]
+    assert r1["source"] == "peer" and any("checksum mismatch" in n for n in r1["notes"])
+    assert 0 < second[1]["wire_peak"] <= 2 * 2 * 4096

@@ -7,7 +7,10 @@ Restores (collectively), trains to STEPS saving every EVERY steps, and writes
 right after the restore, the digest of the state at each save, and any save errors.
 Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``ATTEMPT``, ``BN=1``
 (a BatchNorm layer and a large buffer, both changed in every forward pass), ``FORWARD_AFTER_LOAD=1``
-(one training-mode forward pass right after the restore, before anything waits).
+(one training-mode forward pass right after the restore, before anything waits),
+``WIRE_PIECE=N`` (a restore's transfers move N-byte pieces through the staged wire NCCL
+uses, with CPU buffers, ``WIRE_WINDOW`` per round; the result records the most buffer
+bytes any one transfer held).
 """
 
 from __future__ import annotations
@@ -50,8 +53,25 @@ class Tally(torch.nn.Module):
         return x
 
 
+def staged_wire() -> list[int]:
+    """Route every transfer through the staged wire (see WIRE_PIECE); returns [peak bytes]."""
+    from incluster.recovery import transfer, wire
+
+    peak = [0]
+
+    class Tracked(wire.Wire):
+        def close(self) -> None:
+            peak[0] = max(peak[0], self.allocated)
+            super().close()
+
+    piece, window = int(os.environ["WIRE_PIECE"]), int(os.environ.get("WIRE_WINDOW", "2"))
+    transfer.make_wire = lambda nccl: Tracked(torch.device("cpu"), direct=False, piece=piece, window=window)
+    return peak
+
+
 def main() -> int:
     out, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    wire_peak = staged_wire() if os.environ.get("WIRE_PIECE") else None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -77,6 +97,7 @@ def main() -> int:
         return 3
     result["restore"] = dataclasses.asdict(ckpt.last_restore) if ckpt.last_restore else None
     result["loaded"] = start
+    result["wire_peak"] = wire_peak[0] if wire_peak else None
     result["loaded_digest"] = digest(model, optim, state["extra"])
     if os.environ.get("FORWARD_AFTER_LOAD"):
         with torch.no_grad():

@@ -12,13 +12,15 @@ with plain writes, and committing it) is :meth:`Received.heal`: the Checkpointer
 in the background behind the optimizer pre-step hook, as it does a save's copy, so a
 restore returns as soon as the state is verified and in place.
 
-gloo moves CPU tensors: the sender's mapped file goes out as is. NCCL moves GPU tensors:
-the sender stages file -> GPU, the receiver GPU -> its destination.
+The data moves in bounded pieces (:mod:`incluster.recovery.wire`): gloo moves CPU
+tensors, the sender's mapped file going out as it is; NCCL moves GPU tensors through a few
+reused device buffers, and a live tensor on the receiver's GPU takes its pieces directly.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -31,6 +33,7 @@ from incluster.format.reader import parse_header
 from incluster.format.sidecar import Sidecar
 from incluster.recovery.gather import device_for_collectives
 from incluster.recovery.landing import PIECE, Landing, direct_targets, segments
+from incluster.recovery.wire import Wire, cut, for_backend
 from incluster.staging.slots import SlotRing
 from incluster.tiers.local import ShardReader
 from incluster.writer.local_commit import commit_received, parse_received_sidecar
@@ -115,41 +118,69 @@ def exchange(
     for w in _wait(ops):
         w.wait()
     recv = None
+    wire = make_wire(_nccl())
     if src is not None:
         recv = Received(rank, step, incoming, ring, job=job, node=node, timeout_s=timeout_s)  # type: ignore[arg-type]
+        recv.wire = wire
         recv.prepare(bytes(sc_buf.cpu().numpy()), bytes(hdr_buf.cpu().numpy()), tab_buf.cpu().tolist(), size)
-    # 3. the data segments
-    ops, bufs = [], []
+    # 3. the data segments, in bounded pieces (recovery/wire.py)
+    try:
+        _move_data(wire, src, recv, outgoing, tables)
+    finally:
+        wire.close()
     if recv is not None:
-        bufs = [_empty(n) if _nccl() else d for (_, n), d in zip(recv.table, recv.dests)]
-        ops += [dist.P2POp(dist.irecv, b, src) for b in bufs if b.numel()]
-    nrecv = len(ops)
-    for o in outgoing:
-        raw = o.reader.raw()
-        ops += [dist.P2POp(dist.isend, _wire(raw[a : a + n]), o.dst) for a, n in tables[id(o)] if n]
-    works = _wait(ops)
-    if recv is not None:
-        if len(works) == len(ops):  # one work per op: check each segment as soon as it is in
-            mine, rest = works[:nrecv], works[nrecv:]
-        else:
-            mine, rest = [], works
-            for w in rest:
-                w.wait()
-            rest = []
-        posted = [i for i, b in enumerate(bufs) if b.numel()]
-        for k, w in enumerate(mine):
-            w.wait()
-            recv.landed(posted[k], bufs[posted[k]])
-        if not mine:
-            for i in posted:
-                recv.landed(i, bufs[i])
-        for w in rest:
-            w.wait()
         problem = recv.finish()
         return problem, (None if problem else recv)
-    for w in works:
-        w.wait()
     return problem, None
+
+
+def make_wire(nccl: bool) -> Wire:
+    """The wire for this transfer (a seam: tests run the staged path on CPU through it)."""
+    return for_backend(nccl)
+
+
+def _move_data(wire: Wire, src: int | None, recv: "Received | None", outgoing: list[Outgoing],
+               tables: dict[int, list[tuple[int, int]]]) -> None:
+    """Every piece of every segment, ``wire.window`` per peer per round, two rounds in
+    flight: round r+1 is on the wire while round r's pieces are checked."""
+    mine = cut(recv.table, wire.piece) if recv is not None else []
+    theirs = [cut(tables[id(o)], wire.piece) for o in outgoing]
+    w = wire.window
+    rounds = max([-(-len(p) // w) for p in [mine, *theirs]], default=0)
+
+    def post(r: int) -> tuple[list[Any], int, int, list[tuple[int, int, torch.Tensor]]]:
+        ops, landing = [], []
+        for k, (i, start, n) in enumerate(mine[r * w : (r + 1) * w]):
+            buf = wire.incoming(r, k, recv.dest(i, start, n), n)  # type: ignore[union-attr]
+            ops.append(dist.P2POp(dist.irecv, buf, src))
+            landing.append((i, start, buf))
+        nrecv = len(ops)
+        for j, o in enumerate(outgoing):
+            raw, table = o.reader.raw(), tables[id(o)]
+            for k, (i, start, n) in enumerate(theirs[j][r * w : (r + 1) * w]):
+                a = table[i][0] + start
+                ops.append(dist.P2POp(dist.isend, wire.outgoing(j, r, k, raw[a : a + n]), o.dst))
+        return _wait(ops), len(ops), nrecv, landing
+
+    def settle(works: list[Any], nops: int, nrecv: int, landing: list[tuple[int, int, torch.Tensor]]) -> None:
+        if len(works) != nops:  # one work for the whole batch: wait for all of it first
+            for x in works:
+                x.wait()
+            works, nrecv = [None] * nrecv, nrecv
+        for x, (i, start, buf) in zip(works[:nrecv], landing):
+            if x is not None:
+                x.wait()  # pieces are checked in file order, each as soon as it is in
+            recv.landed(i, start, buf)  # type: ignore[union-attr]
+        for x in works[nrecv:]:
+            x.wait()
+
+    flight: deque[Any] = deque()
+    for r in range(rounds):
+        flight.append(post(r))
+        if len(flight) == 2:
+            settle(*flight.popleft())
+    while flight:
+        settle(*flight.popleft())
 
 
 class Received:
@@ -165,6 +196,8 @@ class Received:
         self.landing: Landing | None = None
         self.sidecar: Sidecar | None = None
         self.pending: list[tuple[int, torch.Tensor]] = []  # (file offset, verified bytes) to write
+        self.dests: list[torch.Tensor | None] = []
+        self.wire: Wire = Wire(torch.device("cpu"))  # the transfer's (set before prepare)
         self.heal_error: str | None = None  # why this node's copy cannot be written, if so
 
     @property
@@ -185,16 +218,20 @@ class Received:
             self.verifier.update(hdr)
         except CorruptCheckpointError as exc:
             self.problem = str(exc)
-            self.dests = [torch.empty(n, dtype=torch.uint8) for n in sizes]  # taken in, thrown away
+            self.dests = [None] * len(sizes)  # taken in by the wire's own buffers, thrown away
             return
         targets: dict[str, torch.Tensor] = {}
         if sc.world_size == self.inc.world_size:  # else the load refuses it before any byte is used
+            # live tensors on the wire's GPU take their pieces as they come (NCCL)
+            devices = ("cpu", "cuda") if self.wire.device.type == "cuda" else ("cpu",)
             try:
-                targets = direct_targets(self.inc.state, sc.tree, header, allow_pickle=self.inc.allow_pickle)
+                targets = direct_targets(
+                    self.inc.state, sc.tree, header, allow_pickle=self.inc.allow_pickle, devices=devices
+                )
             except CheckpointError:
                 targets = {}  # the load reports the mismatch; nothing lands in the live state
         self.sidecar, self.landing = sc, Landing(header, segs, targets)
-        self.dests = self.landing.dests[1:]
+        self.dests = list(self.landing.dests[1:])
         try:
             self.slot = self.ring.acquire(self.step, self.timeout_s)
             self.ring.open_for_writes(self.slot, size)
@@ -203,29 +240,50 @@ class Received:
             # No room for the node's copy (a full RAM disk, no free slot): the shard still
             # lands in the live state, verified; only the heal is skipped. Raising here
             # would leave the sender blocked in the next round until the group times out.
-            if self.slot is not None:
-                self.ring.release(self.slot)
-                self.slot = None
-            self.heal_error = f"{type(exc).__name__}: {exc}"
-            log.warning("incluster: %s lands in the live state, but this node's copy cannot be written (%s); "
-                        "the next save writes one as usual", self.where, self.heal_error)
+            self._no_heal(exc)
 
-    def landed(self, i: int, buf: torch.Tensor) -> None:
-        """Segment ``i`` is in (segments arrive in file order): check it; its write waits
-        for :meth:`heal`."""
-        if self.problem is not None:
-            return
+    def dest(self, i: int, start: int, n: int) -> torch.Tensor | None:
+        """Where bytes ``start:start+n`` of segment ``i`` go; None: thrown away."""
         dest = self.dests[i]
-        if buf.device.type == "cuda":
+        if self.problem is not None or dest is None:
+            return None
+        return dest[start : start + n]
+
+    def landed(self, i: int, start: int, buf: torch.Tensor) -> None:
+        """A piece of segment ``i`` is in ``buf`` (pieces arrive in file order): put it in
+        place and check it. A piece in host memory is written to this node's copy by
+        :meth:`heal`, once its segment is complete; one in a live GPU tensor is written
+        now, from the host copy it was hashed in (no second pass over the device)."""
+        dest = self.dest(i, start, buf.numel())
+        if dest is None:
+            return
+        if buf.data_ptr() != dest.data_ptr():
             dest.copy_(buf)
-        view = memoryview(dest.numpy())  # type: ignore[arg-type]
+        host = self.wire.host_view(dest)
+        view = memoryview(host.numpy())  # type: ignore[arg-type]
         for at in range(0, view.nbytes, PIECE):  # each piece hashed while it is in the cache
             try:
                 self.verifier.update(view[at : at + PIECE])
             except CorruptCheckpointError as exc:
                 self.problem = str(exc)
                 return
-        self.pending.append((self.table[i][0], dest))
+        offset, size = self.table[i]
+        if dest.device.type == "cpu":
+            if start + buf.numel() == size:
+                self.pending.append((offset, self.dests[i]))  # type: ignore[arg-type]
+        elif self.slot is not None:
+            try:
+                self.ring.write_at(self.slot, offset + start, [view])
+            except OSError as exc:  # a full RAM disk: the state still lands, verified
+                self._no_heal(exc)
+
+    def _no_heal(self, exc: BaseException) -> None:
+        if self.slot is not None:
+            self.ring.release(self.slot)
+            self.slot = None
+        self.heal_error = f"{type(exc).__name__}: {exc}"
+        log.warning("incluster: %s lands in the live state, but this node's copy cannot be written (%s); "
+                    "the next save writes one as usual", self.where, self.heal_error)
 
     def finish(self) -> str | None:
         if self.problem is None:
