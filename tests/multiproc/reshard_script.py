@@ -8,7 +8,8 @@ size, load, write the full state to OUT_DIR/full-load.pt, then train one step an
 step 4 (training goes on at the new size). Each rank writes OUT_DIR/result-PHASE-rR.json.
 With RESHARD_PERSISTENT=DIR every save also goes to that persistent folder;
 RESHARD_MESH_SAVE / RESHARD_MESH_LOAD="2,2" make that phase HSDP on a 2 x 2 mesh;
-RESHARD_RULE sets reshard_rank_state.
+RESHARD_RULE sets reshard_rank_state; WIRE_PIECE=N moves the pieces through the staged
+wire NCCL uses, with CPU buffers of N bytes (the result records the most any move held).
 """
 
 from __future__ import annotations
@@ -57,8 +58,25 @@ def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str
     return out
 
 
+def staged_wire() -> list[int]:
+    """Route the reshard's moves through the staged wire (see WIRE_PIECE); returns [peak]."""
+    from incluster.recovery import reshard, wire
+
+    peak = [0]
+
+    class Tracked(wire.Wire):
+        def close(self) -> None:
+            peak[0] = max(peak[0], self.allocated)
+            super().close()
+
+    piece = int(os.environ["WIRE_PIECE"])
+    reshard.make_wire = lambda nccl: Tracked(torch.device("cpu"), direct=False, piece=piece, window=2)
+    return peak
+
+
 def main() -> int:
     out_dir, phase = sys.argv[1], sys.argv[2]
+    wire_peak = staged_wire() if os.environ.get("WIRE_PIECE") else None
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = os.environ.get(f"RESHARD_MESH_{phase.upper()}")  # e.g. "2,2": HSDP
@@ -84,6 +102,7 @@ def main() -> int:
             res["source"] = rep.source if rep else None
             res["notes"] = rep.notes if rep else []
             res["position"] = state["loader"]["position"]
+            res["wire_peak"] = wire_peak[0] if wire_peak else None
             full = full_state(model, optim)
             name = "full-load.pt"
             train(model, optim, 1, rank, seed=2)

@@ -86,6 +86,18 @@ def test_four_ranks_lose_a_node_and_go_on_with_three(local_dir, fsdp4):
     assert not os.path.exists(os.path.join(local_dir, "n0", "reshard", "rank-00003"))
 
 
+def test_resharding_through_bounded_staged_pieces_is_bitwise(local_dir, fsdp4):
+    """The path NCCL takes, with CPU buffers: every piece (48 bytes: rows of a weight are
+    cut in two) goes through a few reused buffers, never a whole tensor's worth."""
+    out, _ = _copy(fsdp4, local_dir)
+    shutil.rmtree(os.path.join(local_dir, "n3"))
+    res = _run(local_dir, out, "load", ["n0", "n1", "n2"], {"WIRE_PIECE": "48"})
+    _same_full_state(out)
+    assert [r["loaded"] for r in res] == [3, 3, 3] and {r["source"] for r in res} == {"reshard"}, res
+    peaks = [r["wire_peak"] for r in res]
+    assert any(peaks) and all(p <= 2 * 2 * 2 * 48 * 3 for p in peaks), peaks  # in + out, 2 rounds x 2, per peer
+
+
 def test_two_ranks_grow_to_four(local_dir):
     out = os.path.join(local_dir, "out")
     os.makedirs(out)

@@ -1,39 +1,54 @@
-"""The piece schedule and buffers of a transfer's data round (recovery/wire.py)."""
+"""Pieces and buffers of the bounded wire (recovery/wire.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from incluster.recovery.wire import Wire, cut
+from incluster.recovery.wire import Wire, chunks
 
 
-def test_pieces_cover_every_segment_in_file_order_and_skip_empty_ones():
-    table = [(100, 10), (110, 0), (110, 25), (135, 4)]
-    pieces = cut(table, 8)
-    assert pieces == [(0, 0, 8), (0, 8, 2), (2, 0, 8), (2, 8, 8), (2, 16, 8), (2, 24, 1), (3, 0, 4)]
-    covered = [table[i][0] + s + k for i, s, n in pieces for k in range(n)]
-    assert covered == list(range(100, 139))
+def _join(parts):
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def test_pieces_are_views_in_element_order_and_never_larger_than_a_piece():
+    flat = torch.arange(1000, dtype=torch.uint8)
+    parts = chunks(flat, 64)
+    assert [p.numel() for p in parts] == [64] * 15 + [40]
+    assert all(p.data_ptr() == flat.data_ptr() + 64 * i for i, p in enumerate(parts))  # views, no copies
+    wide = torch.arange(6 * 100, dtype=torch.float32).reshape(6, 100)  # a row (400 B) is over a piece
+    strided = wide[:, 10:90]  # not contiguous, like a Shard(1) box
+    for t in (wide, strided, torch.arange(300, dtype=torch.int64).reshape(3, 10, 10)):
+        parts = chunks(t, 128)
+        assert all(p.numel() * p.element_size() <= 128 for p in parts)
+        assert torch.equal(_join(parts), t.reshape(-1))
+    assert chunks(torch.empty(0, 5), 8) == []
+    assert len(chunks(torch.tensor(3.0), 1)) == 1
 
 
 def test_a_cpu_wire_receives_in_place_and_a_staged_one_reuses_two_rounds_of_buffers():
     dest = torch.zeros(64, dtype=torch.uint8)
     direct = Wire(torch.device("cpu"), piece=16, window=2)
-    assert direct.incoming(0, 0, dest[:16], 16).data_ptr() == dest.data_ptr()
+    assert direct.incoming(1, 0, 0, dest[:16]).data_ptr() == dest.data_ptr()
     src = torch.arange(16, dtype=torch.uint8)
-    assert direct.outgoing(0, 0, 0, src) is src
+    assert direct.outgoing(1, 0, 0, src).data_ptr() == src.data_ptr()
     assert direct.allocated == 0
+    strided = torch.arange(32, dtype=torch.uint8).reshape(4, 8)[:, :4]
+    assert torch.equal(direct.outgoing(1, 0, 0, strided), strided.reshape(-1))  # made contiguous: one piece
 
     staged = Wire(torch.device("cpu"), direct=False, piece=16, window=2)
     seen = set()
     for r in range(6):
         for k in range(2):
-            buf = staged.incoming(r, k, dest[16 * k : 16 * k + 16], 16)
+            buf = staged.incoming(1, r, k, dest[16 * k : 16 * k + 16])
             assert buf.data_ptr() not in (dest.data_ptr(), dest.data_ptr() + 16)
             seen.add(buf.data_ptr())
-            out = staged.outgoing(0, r, k, src)
+            out = staged.outgoing(1, r, k, src)
             assert torch.equal(out, src) and out.data_ptr() != src.data_ptr()
     assert len(seen) == 4  # 2 rounds x 2 pieces, reused whatever the number of rounds
     assert staged.allocated == 2 * (2 * 2 * 16)  # in and out
-    assert staged.incoming(0, 0, None, 5).numel() == 5  # thrown-away bytes go to a buffer too
+    typed = torch.arange(4, dtype=torch.float32)
+    assert torch.equal(staged.outgoing(1, 0, 0, typed).view(torch.float32), typed)
+    assert staged.incoming(1, 0, 0, torch.empty(5, dtype=torch.uint8, device="meta")).numel() == 5
     staged.close()
     assert staged.allocated == 0

@@ -14,9 +14,10 @@ node each rank is on (O(W) integers). Then, on every rank:
 3. agree: each rank works out the pieces it needs from its live DTensors and checks the
    saved state fits the live one; one all-reduce stops every rank together if one cannot
    go on, or if their layouts differ.
-4. move: one batch of point-to-point operations. A piece lands straight in the slice of
-   the live local tensor it belongs to where that slice is contiguous; a piece this rank
-   serves itself is copied from the mapped file. The source rank's plain tensors and
+4. move: point-to-point operations in bounded pieces (:mod:`incluster.recovery.wire`). A
+   piece lands straight in the slice of the live local tensor it belongs to where that
+   slice is contiguous (and, under NCCL, on the GPU); a piece this rank serves itself is
+   copied from the mapped file. The source rank's plain tensors and
    leaves come whole; ``load_into`` then finishes the state.
 
 Bytes are checked by the rank that reads them from its RAM disk, chunk by chunk against
@@ -40,6 +41,7 @@ from incluster.recovery.landing import direct_targets
 from incluster.recovery.gather import active_dist as _dist
 from incluster.recovery.node import bad_copy, uncommit
 from incluster.recovery.reshard_pieces import Maps, Piece, layout_digest, receiver_pieces, server_pieces, source_of
+from incluster.recovery.wire import move
 from incluster.recovery.reshard_shard import (
     Live, Shard, byte_span, check_boxes, check_rest, live_layout, open_served, rewritten, shard_of, verify_spans, view_of,
 )
@@ -48,6 +50,13 @@ from incluster.writer.local_commit import parse_received_sidecar
 
 log = logging.getLogger("incluster")
 Collect = Callable[[list[tuple[str, int, int]]], bool]
+
+
+def make_wire(nccl: bool) -> Any:
+    """The wire for the moves (a seam: tests run the staged path on CPU through it)."""
+    from incluster.recovery.wire import for_backend
+
+    return for_backend(nccl)
 
 
 def _wire_device() -> torch.device:
@@ -224,23 +233,14 @@ class Reshard:
 
     # 4. move -------------------------------------------------------------------------
     def _move(self, src: Shard, live: Live, pieces: list[Piece]) -> int:
-        dist, maps, wire = _dist(), self.maps, _wire_device()
-        recv, after, moved = [], [], 0
-
-        def take(dest: torch.Tensor, server: int, shape: Any) -> None:
-            if dest.is_contiguous() and dest.device == wire:
-                buf = dest
-            else:
-                buf = torch.empty(shape, dtype=dest.dtype, device=wire)
-                after.append((buf, dest))
-            recv.append(dist.P2POp(dist.irecv, buf, server))
-
+        maps, moved = self.maps, 0
+        recvs: list[tuple[int, torch.Tensor, Any]] = []
         for p in pieces:
             dest = live.local[p.name][local_slices(p.box, live.box[p.name])]
             if maps.server_of[p.owner] == self.me:
                 dest.copy_(view_of(self.served[p.owner], p.name, p.box))
             else:
-                take(dest, maps.server_of[p.owner], p.box[1])
+                recvs.append((maps.server_of[p.owner], dest, None))
             moved += dest.numel() * dest.element_size()
         tree = rewritten(src.tree, live)  # DTensor nodes as they are live: their bytes are in place
         targets = direct_targets(self.state, tree, src.header, allow_pickle=self.ctx.allow_pickle, big=1,
@@ -257,16 +257,16 @@ class Reshard:
             if maps.server_of[src.owner] == self.me:
                 dest.copy_(view_of(src, name).reshape(-1).view(torch.uint8))
             else:
-                take(dest, maps.server_of[src.owner], (st.nbytes,))
+                recvs.append((maps.server_of[src.owner], dest, None))
             moved += st.nbytes
         self._src = src
-        sends = []
-        for r, items in sorted(self._outgoing().items()):
-            for t in items:
-                sends.append(dist.P2POp(dist.isend, t.contiguous().to(wire), r))
-        _run(dist, recv + sends)
-        for buf, dest in after:
-            dest.copy_(buf)
+        sends = [(r, t) for r, items in sorted(self._outgoing().items()) for t in items]
+        if sends or recvs:
+            wire = make_wire(_wire_device().type == "cuda")
+            try:
+                move(wire, sends, recvs)  # bounded pieces; a contiguous live slice takes its own
+            finally:
+                wire.close()
         return moved
 
     def _outgoing(self) -> dict[int, list[torch.Tensor]]:

@@ -33,7 +33,7 @@ from incluster.format.reader import parse_header
 from incluster.format.sidecar import Sidecar
 from incluster.recovery.gather import device_for_collectives
 from incluster.recovery.landing import PIECE, Landing, direct_targets, segments
-from incluster.recovery.wire import Wire, cut, for_backend
+from incluster.recovery.wire import Wire, for_backend, move
 from incluster.staging.slots import SlotRing
 from incluster.tiers.local import ShardReader
 from incluster.writer.local_commit import commit_received, parse_received_sidecar
@@ -141,46 +141,17 @@ def make_wire(nccl: bool) -> Wire:
 
 def _move_data(wire: Wire, src: int | None, recv: "Received | None", outgoing: list[Outgoing],
                tables: dict[int, list[tuple[int, int]]]) -> None:
-    """Every piece of every segment, ``wire.window`` per peer per round, two rounds in
-    flight: round r+1 is on the wire while round r's pieces are checked."""
-    mine = cut(recv.table, wire.piece) if recv is not None else []
-    theirs = [cut(tables[id(o)], wire.piece) for o in outgoing]
-    w = wire.window
-    rounds = max([-(-len(p) // w) for p in [mine, *theirs]], default=0)
-
-    def post(r: int) -> tuple[list[Any], int, int, list[tuple[int, int, torch.Tensor]]]:
-        ops, landing = [], []
-        for k, (i, start, n) in enumerate(mine[r * w : (r + 1) * w]):
-            buf = wire.incoming(r, k, recv.dest(i, start, n), n)  # type: ignore[union-attr]
-            ops.append(dist.P2POp(dist.irecv, buf, src))
-            landing.append((i, start, buf))
-        nrecv = len(ops)
-        for j, o in enumerate(outgoing):
-            raw, table = o.reader.raw(), tables[id(o)]
-            for k, (i, start, n) in enumerate(theirs[j][r * w : (r + 1) * w]):
-                a = table[i][0] + start
-                ops.append(dist.P2POp(dist.isend, wire.outgoing(j, r, k, raw[a : a + n]), o.dst))
-        return _wait(ops), len(ops), nrecv, landing
-
-    def settle(works: list[Any], nops: int, nrecv: int, landing: list[tuple[int, int, torch.Tensor]]) -> None:
-        if len(works) != nops:  # one work for the whole batch: wait for all of it first
-            for x in works:
-                x.wait()
-            works, nrecv = [None] * nrecv, nrecv
-        for x, (i, start, buf) in zip(works[:nrecv], landing):
-            if x is not None:
-                x.wait()  # pieces are checked in file order, each as soon as it is in
-            recv.landed(i, start, buf)  # type: ignore[union-attr]
-        for x in works[nrecv:]:
-            x.wait()
-
-    flight: deque[Any] = deque()
-    for r in range(rounds):
-        flight.append(post(r))
-        if len(flight) == 2:
-            settle(*flight.popleft())
-    while flight:
-        settle(*flight.popleft())
+    """Every data segment, in bounded pieces (:func:`incluster.recovery.wire.move`); the
+    receiver checks each piece as it lands."""
+    sends = []
+    for o in outgoing:
+        raw = o.reader.raw()
+        sends += [(o.dst, raw[a : a + n]) for a, n in tables[id(o)] if n]
+    recvs: list[tuple[int, torch.Tensor, Any]] = []
+    if recv is not None and src is not None:
+        recvs = [(src, recv.dest(i), recv.landed) for i, (_, n) in enumerate(recv.table) if n]
+        recv.order = [i for i, (_, n) in enumerate(recv.table) if n]
+    move(wire, sends, recvs)
 
 
 class Received:
@@ -197,6 +168,7 @@ class Received:
         self.sidecar: Sidecar | None = None
         self.pending: list[tuple[int, torch.Tensor]] = []  # (file offset, verified bytes) to write
         self.dests: list[torch.Tensor | None] = []
+        self.order: list[int] = []  # the segment each received message is
         self.wire: Wire = Wire(torch.device("cpu"))  # the transfer's (set before prepare)
         self.heal_error: str | None = None  # why this node's copy cannot be written, if so
 
@@ -242,24 +214,22 @@ class Received:
             # would leave the sender blocked in the next round until the group times out.
             self._no_heal(exc)
 
-    def dest(self, i: int, start: int, n: int) -> torch.Tensor | None:
-        """Where bytes ``start:start+n`` of segment ``i`` go; None: thrown away."""
+    def dest(self, i: int) -> torch.Tensor:
+        """Where segment ``i`` lands (a ``meta`` tensor: taken in and thrown away)."""
         dest = self.dests[i]
         if self.problem is not None or dest is None:
-            return None
-        return dest[start : start + n]
+            return torch.empty(self.table[i][1], dtype=torch.uint8, device="meta")
+        return dest
 
-    def landed(self, i: int, start: int, buf: torch.Tensor) -> None:
-        """A piece of segment ``i`` is in ``buf`` (pieces arrive in file order): put it in
-        place and check it. A piece in host memory is written to this node's copy by
+    def landed(self, m: int, start: int, piece: torch.Tensor) -> None:
+        """Bytes ``start:`` of the ``m``-th segment received are in place (pieces arrive in
+        file order): check them. A piece in host memory is written to this node's copy by
         :meth:`heal`, once its segment is complete; one in a live GPU tensor is written
         now, from the host copy it was hashed in (no second pass over the device)."""
-        dest = self.dest(i, start, buf.numel())
-        if dest is None:
+        if self.problem is not None:
             return
-        if buf.data_ptr() != dest.data_ptr():
-            dest.copy_(buf)
-        host = self.wire.host_view(dest)
+        i = self.order[m]
+        host = self.wire.host_view(piece)
         view = memoryview(host.numpy())  # type: ignore[arg-type]
         for at in range(0, view.nbytes, PIECE):  # each piece hashed while it is in the cache
             try:
@@ -268,8 +238,8 @@ class Received:
                 self.problem = str(exc)
                 return
         offset, size = self.table[i]
-        if dest.device.type == "cpu":
-            if start + buf.numel() == size:
+        if piece.device.type == "cpu":
+            if start + piece.numel() == size:
                 self.pending.append((offset, self.dests[i]))  # type: ignore[arg-type]
         elif self.slot is not None:
             try:

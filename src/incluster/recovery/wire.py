@@ -1,17 +1,19 @@
-"""A shard's data segments on the wire in bounded pieces (the third round of a transfer).
+"""Bytes between ranks in bounded pieces: a restore's shard transfer and a reshard's moves.
 
-Both ends cut every segment into pieces of at most ``PIECE`` bytes, in file order, and
-move them in rounds of ``WINDOW`` pieces per peer, with two rounds in flight: round r+1
-is posted before round r's pieces are checked, so the link stays busy while the receiver
-hashes. Nothing is ever held at the size of the shard:
+Both ends cut every message (a tensor, or a strided view of one) into pieces of at most
+``PIECE`` bytes (:func:`chunks`), and move them in rounds of ``WINDOW`` pieces per peer,
+with two rounds in flight: round r+1 is posted before round r's pieces are put in place
+and checked, so the link stays busy while the receiver hashes. Nothing is ever held at
+the size of a shard:
 
-- gloo moves CPU tensors: the sender's mapped file goes out as it is and every piece is
-  received straight into its destination (the live tensor or scratch memory) - no copy.
-- NCCL moves GPU tensors: the sender copies each piece of its file into one of
-  ``2 x WINDOW`` reused device buffers; the receiver takes a piece whose destination is a
-  live tensor on its GPU straight into that tensor, and any other piece into one of its own
-  ``2 x WINDOW`` device buffers, then to its (host) destination. At most
-  ``4 x WINDOW x PIECE`` bytes of device memory per peer, whatever the shard's size.
+- gloo moves CPU tensors: contiguous bytes go out as they are (a mapped file's) and a
+  piece whose destination is contiguous CPU memory is received straight into it.
+- NCCL moves GPU tensors: the sender copies each piece into one of ``2 x WINDOW`` reused
+  device buffers per peer; the receiver takes a piece whose destination is a contiguous
+  live tensor on its GPU straight into that tensor, and any other piece into one of its
+  own ``2 x WINDOW`` device buffers per peer, then to its destination. At most
+  ``2 x WINDOW x PIECE`` bytes of device memory per peer and direction, whatever the
+  shard's size.
 
 The same staged path runs with CPU buffers (``Wire(torch.device("cpu"), direct=False)``),
 which is how it is tested where there is no GPU.
@@ -19,7 +21,8 @@ which is how it is tested where there is no GPU.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import deque
+from typing import Any, Callable
 
 import torch
 
@@ -27,14 +30,28 @@ PIECE = 32 << 20  # bytes per message: large enough for NCCL to run the link at 
 WINDOW = 2  # pieces per peer in one round
 
 
-def cut(table: list[tuple[int, int]], piece: int) -> list[tuple[int, int, int]]:
-    """``(segment index, start in the segment, length)`` for every piece of the segments
-    ``table`` lists as ``(file offset, length)``, in file order; empty segments have none."""
-    out = []
-    for i, (_, n) in enumerate(table):
-        for start in range(0, n, piece):
-            out.append((i, start, min(piece, n - start)))
-    return out
+def chunks(t: torch.Tensor, piece: int) -> list[torch.Tensor]:
+    """Views of ``t`` of at most ``piece`` bytes each (rows, or parts of a row), whose
+    elements in order are ``t``'s in row-major order; both ends of a message cut alike
+    from its shape and dtype alone. Empty tensors give none."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return []
+    if t.dim() == 0 or t.numel() * size <= piece:
+        return [t]
+    if t.dim() == 1:
+        per = max(1, piece // size)
+        return [t[i : i + per] for i in range(0, t.shape[0], per)]
+    row = t[0].numel() * size
+    if row > piece:
+        return [c for i in range(t.shape[0]) for c in chunks(t[i], piece)]
+    per = piece // row
+    return [t[i : i + per] for i in range(0, t.shape[0], per)]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 class Wire:
@@ -58,25 +75,29 @@ class Wire:
     def _buf(self, role: str, peer: int, round_: int, k: int, n: int) -> torch.Tensor:
         key = (role, peer, round_ % 2, k)
         b = self._bufs.get(key)
-        if b is None:
-            b = self._bufs[key] = torch.empty(self.piece, dtype=torch.uint8, device=self.device)
+        if b is None or b.numel() < n:  # n > piece only for one element larger than a piece
+            b = self._bufs[key] = torch.empty(max(self.piece, n), dtype=torch.uint8, device=self.device)
         return b[:n]
 
     def outgoing(self, peer: int, round_: int, k: int, src: torch.Tensor) -> torch.Tensor:
-        """What to send for piece ``k`` of a round to ``peer``: ``src`` itself (CPU bytes on
-        a CPU wire) or its copy in a reused buffer on the wire's device."""
-        if self.direct and self.device.type == "cpu":
-            return src
-        buf = self._buf("out", peer, round_, k, src.numel())
-        buf.copy_(src)
+        """The bytes to send for piece ``k`` of a round to ``peer``: ``src``'s own (CPU bytes
+        on a CPU wire; a strided piece is made contiguous first, at most a piece) or their
+        copy in a reused buffer on the wire's device."""
+        if self.direct and self.device.type == "cpu" and src.device.type == "cpu":
+            return as_bytes(src.contiguous())
+        n = src.numel() * src.element_size()
+        buf = self._buf("out", peer, round_, k, n)
+        buf.view(src.dtype).view(src.shape).copy_(src)
         return buf
 
-    def incoming(self, round_: int, k: int, dest: torch.Tensor | None, n: int) -> torch.Tensor:
-        """Where to receive piece ``k`` of a round: its destination itself when the wire can
-        write there, else a reused buffer (``dest`` None: the bytes are thrown away)."""
-        if dest is not None and dest.device == self.device and (self.direct or self.device.type != "cpu"):
-            return dest  # CPU bytes on a CPU wire, or a live tensor on the wire's GPU
-        return self._buf("in", 0, round_, k, n)
+    def incoming(self, peer: int, round_: int, k: int, dest: torch.Tensor) -> torch.Tensor:
+        """Where to receive piece ``k`` of a round from ``peer``: ``dest``'s own bytes when
+        the wire can write there (CPU bytes on a CPU wire, a live tensor on the wire's
+        GPU), else a reused buffer (a ``meta`` dest: the bytes are thrown away)."""
+        if (dest.device == self.device and dest.is_contiguous()
+                and (self.direct or self.device.type != "cpu")):
+            return as_bytes(dest)
+        return self._buf("in", peer, round_, k, dest.numel() * dest.element_size())
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s bytes in host memory, to hash: ``t`` itself on the CPU, else a copy in one
@@ -101,7 +122,66 @@ def for_backend(nccl: bool) -> Wire:
     return Wire(torch.device("cpu"))
 
 
-def post(ops: list[Any]) -> list[Any]:
+Landed = Callable[[int, int, torch.Tensor], None]  # (message, byte offset in it, the piece in place)
+
+
+def move(wire: Wire, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor, Landed | None]]) -> None:
+    """Send every ``(peer, tensor)`` and receive every ``(peer, dest, landed)`` over the
+    default group, cut into pieces (:func:`chunks`), ``wire.window`` pieces per peer per
+    round, two rounds in flight: round r+1 is on the wire while round r's pieces are put in
+    place and checked. Messages between two ranks pair up in list order, so each side
+    lists them in the same order. ``landed`` runs for each piece of its message in order,
+    once the piece is in ``dest`` (a ``meta`` dest is received and thrown away)."""
     import torch.distributed as dist
 
-    return list(dist.batch_isend_irecv(ops)) if ops else []
+    outs: dict[int, list[torch.Tensor]] = {}
+    for peer, t in sends:
+        outs.setdefault(peer, []).extend(chunks(t, wire.piece))
+    ins: dict[int, list[tuple[int, int, torch.Tensor, Landed | None]]] = {}
+    for m, (peer, dest, landed) in enumerate(recvs):
+        at = 0
+        for c in chunks(dest, wire.piece):
+            ins.setdefault(peer, []).append((m, at, c, landed))
+            at += c.numel() * c.element_size()
+    w = wire.window
+    counts = [len(x) for x in outs.values()] + [len(x) for x in ins.values()]
+    rounds = max([-(-n // w) for n in counts], default=0)
+
+    def post(r: int) -> tuple[list[Any], int, list[tuple[Any, ...]]]:
+        ops, landing = [], []
+        for peer in sorted(ins):
+            for k, (m, at, dest, landed) in enumerate(ins[peer][r * w : (r + 1) * w]):
+                buf = wire.incoming(peer, r, k, dest)
+                ops.append(dist.P2POp(dist.irecv, buf, peer))
+                landing.append((m, at, dest, landed, buf))
+        for peer in sorted(outs):
+            for k, src in enumerate(outs[peer][r * w : (r + 1) * w]):
+                ops.append(dist.P2POp(dist.isend, wire.outgoing(peer, r, k, src), peer))
+        works = list(dist.batch_isend_irecv(ops)) if ops else []
+        return works, len(ops), landing
+
+    def settle(works: list[Any], nops: int, landing: list[tuple[Any, ...]]) -> None:
+        nrecv = len(landing)
+        if len(works) != nops:  # one work for the whole batch: wait for all of it first
+            for x in works:
+                x.wait()
+            works = [None] * nrecv
+        for x, (m, at, dest, landed, buf) in zip(works[:nrecv], landing):
+            if x is not None:
+                x.wait()  # pieces are put in place and checked in order, each once it is in
+            if dest.device.type == "meta":
+                continue
+            if buf.data_ptr() != dest.data_ptr() or buf.device != dest.device:
+                dest.copy_(buf.view(dest.dtype).view(dest.shape))
+            if landed is not None:
+                landed(m, at, dest)
+        for x in works[nrecv:]:
+            x.wait()
+
+    flight: deque[Any] = deque()
+    for r in range(rounds):
+        flight.append(post(r))
+        if len(flight) == 2:
+            settle(*flight.popleft())
+    while flight:
+        settle(*flight.popleft())
