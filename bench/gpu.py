@@ -158,6 +158,7 @@ def run_incluster(args: argparse.Namespace, report: dict[str, Any], kind: str, t
             res["gpu_snapshot_active"] = getattr(ckpt, "gpu_snapshot_active", None)
             res["steps_s"] = times
             res["saves"] = [{"i": i, "step": h.step, "blocked_s": h.blocked_s, "staged_s": h.staged_s,
+                             "drained_s": getattr(h, "drained_s", None), "committed_s": getattr(h, "committed_s", None),
                              "durable_s": h.durable_s} for i, h in handles]
             res["saves_summary"] = save_summary(res["saves"], report.get("floors") or {})
             base = ((report["baseline"].get(kind) or {}).get("stats") or {}).get("mean_s")

@@ -60,7 +60,7 @@ def save_summary(saves: list[dict[str, Any]], floors: dict[str, Any]) -> dict[st
     """Medians over the saves without the first; ratios to floors (b) and (a)."""
     rest = saves[1:] or saves
     out: dict[str, Any] = {"saves": len(saves)}
-    for key in ("blocked_s", "staged_s", "durable_s"):
+    for key in ("blocked_s", "staged_s", "drained_s", "committed_s", "durable_s"):
         out[f"{key[:-2]}_median_s"] = median([s.get(key) for s in rest])
         out[f"{key[:-2]}_first_s"] = saves[0].get(key) if saves else None
         out[f"{key[:-2]}_max_s"] = max((s[key] for s in rest if s.get(key) is not None), default=None)

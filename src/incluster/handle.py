@@ -18,7 +18,10 @@ class SaveHandle:
     ``persisted``: True once this step is in the persistent tier's manifest; False when
     it is not a persistent step (or its upload was skipped); TierUnavailableError when the
     upload failed (training goes on; the next persistent step tries again).
-    Timings are seconds from the ``save()`` call; ``None`` until reached.
+    Timings are seconds from the ``save()`` call; ``None`` until reached: ``blocked_s``
+    (``save()`` returned), ``staged_s``, ``drained_s`` (the writer process finished
+    reading the device-side snapshot: GPU saves it drains only), ``committed_s`` (this
+    rank's shard committed on its node), ``durable_s``.
     """
 
     step: int
@@ -28,6 +31,8 @@ class SaveHandle:
     started: float = field(default_factory=time.perf_counter)
     blocked_s: float | None = None
     staged_s: float | None = None
+    drained_s: float | None = None
+    committed_s: float | None = None
     durable_s: float | None = None
     reported: bool = False  # its error reached the caller; the Checkpointer won't raise it again
     deadline_s: float | None = None  # wait() without a timeout gives up this long after save()

@@ -117,6 +117,10 @@ def test_optimizer_step_right_after_save_is_ordered_after_the_copies(
         h.wait()
         assert ck.gpu_snapshot_active is (gpu_snapshot is None)
         assert (2 in remote_steps) is (gpu_snapshot is None and drain == "writer")
+        if 2 in remote_steps:  # the save's timeline: the writer read the buffer, then committed
+            assert h.staged_s <= h.drained_s <= h.committed_s <= h.durable_s
+        else:
+            assert h.drained_s is None
         _assert_shard(ck.folder, 2, expected)
 
 

@@ -24,6 +24,7 @@ import glob
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable
 
 from incluster.errors import CheckpointError
@@ -46,6 +47,7 @@ class RemoteDrain:
         self._open: tuple[int, int] | None = None  # (writer gen, buffer id) a writer has open
         self._said = False
         self.busy_step: int | None = None
+        self.drained: tuple[int, float] | None = None  # (step, perf_counter) of the last DRAINED
 
     def offer(self, buf: Any) -> bool:
         """True if the current writer has ``buf`` open (a drain can go there now); else
@@ -111,6 +113,7 @@ class RemoteDrain:
             if step != self.busy_step:
                 return
             self.busy_step = None
+            self.drained = (step, time.perf_counter())
         self._free.set()
 
     def wait_free(self, timeout: float) -> None:
