@@ -58,25 +58,14 @@ def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str
     return out
 
 
-def staged_wire() -> list[int]:
-    """Route the reshard's moves through the staged wire (see WIRE_PIECE); returns [peak]."""
-    from incluster.recovery import reshard, wire
-
-    peak = [0]
-
-    class Tracked(wire.Wire):
-        def close(self) -> None:
-            peak[0] = max(peak[0], self.allocated)
-            super().close()
-
-    piece = int(os.environ["WIRE_PIECE"])
-    reshard.make_wire = lambda nccl: Tracked(torch.device("cpu"), direct=False, piece=piece, window=2)
-    return peak
-
-
 def main() -> int:
     out_dir, phase = sys.argv[1], sys.argv[2]
-    wire_peak = staged_wire() if os.environ.get("WIRE_PIECE") else None
+    wire_peak = None
+    if os.environ.get("WIRE_PIECE"):
+        from incluster.recovery import reshard
+        from incluster.testing.wire import route_through_staged_wire
+
+        wire_peak = route_through_staged_wire(reshard, int(os.environ["WIRE_PIECE"]))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = os.environ.get(f"RESHARD_MESH_{phase.upper()}")  # e.g. "2,2": HSDP

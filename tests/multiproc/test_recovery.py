@@ -136,18 +136,22 @@ def test_copies_of_abandoned_steps_are_dropped_everywhere_after_a_restore(local_
         assert created >= restarted, f"{path} is a commit record of the abandoned timeline"
 
 
+def _flip_near_end(shard):
+    """One bit of the shard's third-last byte flipped, as a bad DIMM would."""
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
 def test_a_corrupt_copy_found_in_transfer_falls_back_to_an_older_step_on_every_rank(local_dir, saved4):
     """Rank 1's only copy of step 4 (its replica on C) is corrupt: the receiver finds it
     chunk by chunk as the bytes land; ranks that already loaded step 4 from their own
     node load step 2 again, so every rank ends bitwise at step 2."""
     first = _copy(saved4, local_dir)  # steps 2 and 4 everywhere
     shutil.rmtree(os.path.join(local_dir, "B"))
-    shard = os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.safetensors")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) - 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    _flip_near_end(os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.safetensors"))
     codes, second, job = _run(local_dir, 1, nodes=["A", "E", "C", "D"], env=THREAD)
     assert codes == [0] * 4, [job.output(r) for r in range(4)]
     _assert_restored(second, first, 2)
@@ -172,7 +176,13 @@ def test_a_peer_restores_heal_survives_buffers_changing_right_after_the_load(loc
     _assert_restored(second, first, 4)
     assert second[1]["restore"]["source"] == "peer"
     assert "healed its node's copy of step 4" in job.output(1)
-    for node in ("A", "C", "D"):  # every other copy of rank 1's shard is gone: only E's heal is left
+    _restores_from_the_heal_alone(local_dir, after, env, first)
+
+
+def _restores_from_the_heal_alone(local_dir, after, env, first):
+    """Every copy of rank 1's shard but the one healed on the spare E is removed: the next
+    restart restores from that copy, bitwise."""
+    for node in ("A", "C", "D"):
         shutil.rmtree(os.path.join(local_dir, node, "mp", "rank-00001"), ignore_errors=True)
     codes, third, job = _run(local_dir, 2, nodes=after, env=env)
     assert codes == [0] * 4, [job.output(r) for r in range(4)]
@@ -215,12 +225,7 @@ def test_a_restore_through_bounded_staged_pieces_is_bitwise_and_heals_its_node(l
     bound = 2 * 2 * 4096
     assert 0 < second[1]["wire_peak"] <= bound  # the receiver
     assert 0 < second[2]["wire_peak"] <= bound  # rank 2 on C sent rank 1's replica
-    for node in ("A", "C", "D"):  # only E's healed copy of rank 1 is left
-        shutil.rmtree(os.path.join(local_dir, node, "mp", "rank-00001"), ignore_errors=True)
-    codes, third, job = _run(local_dir, 2, nodes=after, env=env)
-    assert codes == [0] * 4, [job.output(r) for r in range(4)]
-    _assert_restored(third, first, 4)
-    assert third[1]["restore"]["source"] == "local" and third[1]["restore"]["source_node"] == "E"
+    _restores_from_the_heal_alone(local_dir, after, env, first)
 
 
 def test_a_corrupt_piece_on_the_staged_path_falls_back_to_an_older_step(local_dir, saved4):
@@ -228,12 +233,7 @@ def test_a_corrupt_piece_on_the_staged_path_falls_back_to_an_older_step(local_di
     copy is rejected and every rank ends bitwise at step 2."""
     first = _copy(saved4, local_dir)
     shutil.rmtree(os.path.join(local_dir, "B"))
-    shard = os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.safetensors")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) - 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    _flip_near_end(os.path.join(local_dir, "C", "mp", "rank-00001", "step-000000000004.safetensors"))
     codes, second, job = _run(local_dir, 1, nodes=["A", "E", "C", "D"], env={**THREAD, **STAGED})
     assert codes == [0] * 4, [job.output(r) for r in range(4)]
     _assert_restored(second, first, 2)

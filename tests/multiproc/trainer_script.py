@@ -53,25 +53,14 @@ class Tally(torch.nn.Module):
         return x
 
 
-def staged_wire() -> list[int]:
-    """Route every transfer through the staged wire (see WIRE_PIECE); returns [peak bytes]."""
-    from incluster.recovery import transfer, wire
-
-    peak = [0]
-
-    class Tracked(wire.Wire):
-        def close(self) -> None:
-            peak[0] = max(peak[0], self.allocated)
-            super().close()
-
-    piece, window = int(os.environ["WIRE_PIECE"]), int(os.environ.get("WIRE_WINDOW", "2"))
-    transfer.make_wire = lambda nccl: Tracked(torch.device("cpu"), direct=False, piece=piece, window=window)
-    return peak
-
-
 def main() -> int:
     out, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    wire_peak = staged_wire() if os.environ.get("WIRE_PIECE") else None
+    wire_peak = None
+    if os.environ.get("WIRE_PIECE"):
+        from incluster.recovery import transfer
+        from incluster.testing.wire import route_through_staged_wire
+
+        wire_peak = route_through_staged_wire(transfer, int(os.environ["WIRE_PIECE"]), int(os.environ.get("WIRE_WINDOW", "2")))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
