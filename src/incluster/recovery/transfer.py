@@ -1,8 +1,9 @@
 """Moving shards between ranks during a restore, over the job's default process group.
 
-Three rounds, each posted at once with ``batch_isend_irecv`` so every rank's sends and
-receives run together: (1) sizes; (2) the sidecar, the shard's header and the segment
-table (:mod:`incluster.recovery.landing`); (3) the data segments. The receiver lands
+Three rounds with ``batch_isend_irecv``, so every rank's sends and receives run
+together: (1) sizes; (2) the sidecar, the shard's header and the segment table
+(:mod:`incluster.recovery.landing`), each posted at once; (3) the data segments, in
+bounded pieces (:func:`incluster.recovery.wire.move`). The receiver lands
 each segment straight in the live tensor it belongs to (or in scratch memory) and hashes
 it as soon as it is in; the caller loads into the state only when every chunk matched,
 and restores from another copy when one did not.
@@ -244,7 +245,7 @@ class Received:
         elif self.slot is not None:
             try:
                 self.ring.write_at(self.slot, offset + start, [view])
-            except OSError as exc:  # a full RAM disk: the state still lands, verified
+            except (OSError, CheckpointError) as exc:  # a full RAM disk: the state still lands, verified
                 self._no_heal(exc)
 
     def _no_heal(self, exc: BaseException) -> None:
