@@ -12,7 +12,7 @@ busy while the receiver hashes. Nothing is ever held at the size of a shard:
   per peer and round parity, sized to the round); the receiver takes a piece whose
   destination is a contiguous live tensor on its GPU straight into that tensor, and any
   other piece into its own such buffer, then to its destination. At most
-  ``2 x WINDOW x PIECE`` bytes of device memory per peer and direction (64 MiB with the
+  ``2 x WINDOW x PIECE`` bytes of device memory per peer and direction (128 MiB with the
   defaults), and no more than the pieces staged so far needed, whatever the shard's size.
 
 The same staged path runs with CPU buffers (``Wire(torch.device("cpu"), direct=False)``),
