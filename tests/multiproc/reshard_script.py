@@ -62,10 +62,9 @@ def main() -> int:
     out_dir, phase = sys.argv[1], sys.argv[2]
     wire_peak = None
     if os.environ.get("WIRE_PIECE"):
-        from incluster.recovery import reshard
         from incluster.testing.wire import route_through_staged_wire
 
-        wire_peak = route_through_staged_wire(reshard, int(os.environ["WIRE_PIECE"]))
+        wire_peak = route_through_staged_wire(int(os.environ["WIRE_PIECE"]))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = os.environ.get(f"RESHARD_MESH_{phase.upper()}")  # e.g. "2,2": HSDP

@@ -57,10 +57,9 @@ def main() -> int:
     out, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     wire_peak = None
     if os.environ.get("WIRE_PIECE"):
-        from incluster.recovery import transfer
         from incluster.testing.wire import route_through_staged_wire
 
-        wire_peak = route_through_staged_wire(transfer, int(os.environ["WIRE_PIECE"]), int(os.environ.get("WIRE_WINDOW", "2")))
+        wire_peak = route_through_staged_wire(int(os.environ["WIRE_PIECE"]), int(os.environ.get("WIRE_WINDOW", "2")))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dist.init_process_group("gloo")
     rank = dist.get_rank()

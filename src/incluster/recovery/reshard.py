@@ -41,7 +41,7 @@ from incluster.recovery.landing import direct_targets
 from incluster.recovery.gather import active_dist as _dist
 from incluster.recovery.node import bad_copy, uncommit
 from incluster.recovery.reshard_pieces import Maps, Piece, layout_digest, receiver_pieces, server_pieces, source_of
-from incluster.recovery.wire import move
+from incluster.recovery import wire as wires
 from incluster.recovery.reshard_shard import (
     Live, Shard, byte_span, check_boxes, check_rest, live_layout, open_served, rewritten, shard_of, verify_spans, view_of,
 )
@@ -50,13 +50,6 @@ from incluster.writer.local_commit import parse_received_sidecar
 
 log = logging.getLogger("incluster")
 Collect = Callable[[list[tuple[str, int, int]]], bool]
-
-
-def make_wire(nccl: bool) -> Any:
-    """The wire for the moves (a seam: tests run the staged path on CPU through it)."""
-    from incluster.recovery.wire import for_backend
-
-    return for_backend(nccl)
 
 
 def _wire_device() -> torch.device:
@@ -262,9 +255,9 @@ class Reshard:
         self._src = src
         sends = [(r, t) for r, items in sorted(self._outgoing().items()) for t in items]
         if sends or recvs:
-            wire = make_wire(_wire_device().type == "cuda")
+            wire = wires.for_backend(_wire_device().type == "cuda")
             try:
-                move(wire, sends, recvs)  # bounded pieces; a contiguous live slice takes its own
+                wires.move(wire, sends, recvs)  # bounded pieces; a contiguous live slice takes its own
             finally:
                 wire.close()
         return moved

@@ -21,7 +21,6 @@ reused device buffers, and a live tensor on the receiver's GPU takes its pieces 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -34,7 +33,8 @@ from incluster.format.reader import parse_header
 from incluster.format.sidecar import Sidecar
 from incluster.recovery.gather import device_for_collectives
 from incluster.recovery.landing import PIECE, Landing, direct_targets, segments
-from incluster.recovery.wire import Wire, for_backend, move
+from incluster.recovery import wire as wires
+from incluster.recovery.wire import Wire, move
 from incluster.staging.slots import SlotRing
 from incluster.tiers.local import ShardReader
 from incluster.writer.local_commit import commit_received, parse_received_sidecar
@@ -119,7 +119,7 @@ def exchange(
     for w in _wait(ops):
         w.wait()
     recv = None
-    wire = make_wire(_nccl())
+    wire = wires.for_backend(_nccl())
     if src is not None:
         recv = Received(rank, step, incoming, ring, job=job, node=node, timeout_s=timeout_s)  # type: ignore[arg-type]
         recv.wire = wire
@@ -133,11 +133,6 @@ def exchange(
         problem = recv.finish()
         return problem, (None if problem else recv)
     return problem, None
-
-
-def make_wire(nccl: bool) -> Wire:
-    """The wire for this transfer (a seam: tests run the staged path on CPU through it)."""
-    return for_backend(nccl)
 
 
 def _move_data(wire: Wire, src: int | None, recv: "Received | None", outgoing: list[Outgoing],

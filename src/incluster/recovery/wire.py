@@ -123,7 +123,9 @@ class Wire:
 
 
 def for_backend(nccl: bool) -> Wire:
-    """The wire for the default group's backend (NCCL: the current CUDA device)."""
+    """The wire for the default group's backend (NCCL: the current CUDA device). Callers
+    look it up on this module, so a test can route every move through the staged path
+    (:func:`incluster.testing.wire.route_through_staged_wire`)."""
     if nccl:
         return Wire(torch.device("cuda", torch.cuda.current_device()), direct=False)
     return Wire(torch.device("cpu"))

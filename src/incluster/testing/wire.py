@@ -4,15 +4,14 @@ buffers, so a CPU-only run exercises the bounded pieces (see
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
-def route_through_staged_wire(module: Any, piece: int, window: int = 2) -> list[int]:
-    """Replace ``module.make_wire`` (``incluster.recovery.transfer`` or ``.reshard``) with
-    a staged CPU wire of ``piece``-byte pieces; returns a one-item list that holds the most
-    buffer bytes any one transfer held, updated as transfers end."""
+def route_through_staged_wire(piece: int, window: int = 2) -> list[int]:
+    """Make every restore transfer and reshard move in this process use a staged CPU wire
+    of ``piece``-byte pieces; returns a one-item list that holds the most buffer bytes any
+    one transfer held, updated as transfers end."""
+    from incluster.recovery import wire
     from incluster.recovery.wire import Wire
 
     peak = [0]
@@ -22,5 +21,5 @@ def route_through_staged_wire(module: Any, piece: int, window: int = 2) -> list[
             peak[0] = max(peak[0], self.allocated)
             super().close()
 
-    module.make_wire = lambda nccl: Tracked(torch.device("cpu"), direct=False, piece=piece, window=window)
+    wire.for_backend = lambda nccl: Tracked(torch.device("cpu"), direct=False, piece=piece, window=window)
     return peak
