@@ -76,6 +76,7 @@ def main() -> None:
                 ac.save(step)  # returns in about a millisecond
         accelerator.print(f"epoch {epoch}: step {step}, loss {loss.item():.4f}, samples seen {tokens.seen}")
     ac.close()  # drains the saves in flight
+    accelerator.end_training()  # destroys the process group (gloo can abort at exit otherwise)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ def main() -> None:
     trainer.fit(Regressor(), ckpt_path=INCLUSTER)  # resumes when a checkpoint exists
     if trainer.is_global_zero:
         print(f"restored step: {strategy.incluster_restored_step}; finished at step {trainer.global_step}")
+    if torch.distributed.is_initialized():  # Lightning leaves it alive; gloo can abort at exit otherwise
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ def main() -> None:
                    "accelerator_step": accelerator.step}, f)
     unwrapped = accelerator.unwrap_model(model)
     torch.save({k: v.detach().clone() for k, v in unwrapped.state_dict().items()}, os.path.join(out, f"{name}.pt"))
+    accelerator.end_training()  # destroys the process group: a gloo group alive at exit can abort it
 
 
 if __name__ == "__main__":

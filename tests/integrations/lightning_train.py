@@ -121,6 +121,9 @@ def main() -> None:
         fit(out_dir, local_dir, "crash", CRASH_STEP, INCLUSTER)  # nothing saved yet: starts fresh
     else:
         fit(out_dir, local_dir, "crash", None, INCLUSTER)
+    # Lightning leaves its process group alive; a gloo group still alive at interpreter exit can
+    # abort the process ("terminate called without an active exception", exit -6).
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
