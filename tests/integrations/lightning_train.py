@@ -115,6 +115,7 @@ def fit(out_dir: str, local_dir: str, job: str, crash_at: int | None, ckpt_path:
 
 def main() -> None:
     out_dir, local_dir, mode = sys.argv[1:4]
+    faulthandler.enable()  # an abort shows where every thread was
     faulthandler.dump_traceback_later(70, exit=False)  # a hang shows every thread in the log
     if mode == "reference+crash":
         fit(out_dir, local_dir, "ref", None, None)
