@@ -131,9 +131,10 @@ class SavePipeline:
                 handle.persisted.set_result(False)
             self.ring.mark_committed(job.slot, job.step, path)
             handle.committed_s = time.perf_counter() - handle.started
-            drained = self._stager.remote.drained if job.drain is not None and self._stager.remote else None
-            if drained is not None and drained[0] == job.step:
-                handle.drained_s = drained[1] - handle.started
+            remote = self._stager.remote
+            drained = remote.drained_at(job.step) if job.drain is not None and remote is not None else None
+            if drained is not None:
+                handle.drained_s = drained - handle.started
             self.events.record(ev.DURABLE, step=job.step, tier="local", seconds=handle.committed_s)
 
     def _outcome(self, job: StageJob, handle: SaveHandle, fut: "Future[None]", writer: Writer) -> None:

@@ -75,3 +75,16 @@ def test_a_dead_writer_is_never_offered_the_buffer():
     w.dead = RuntimeError("gone")
     r, _ = _remote(w)
     assert r.offer(object()) is False and w.shared == []
+
+
+def test_each_steps_drain_time_is_kept_until_its_commit_takes_it():
+    # The writer copies step 6 while step 5 still commits: 6's DRAINED may come first.
+    r, _ = _remote(FakeWriter(1))
+    r.begin(5)
+    r.done(5)
+    r.begin(6)
+    r.done(6)
+    t5, t6 = r.drained_at(5), r.drained_at(6)
+    assert t5 is not None and t6 is not None and t5 <= t6
+    assert r.drained_at(5) is None  # taken once
+    assert r.drained_at(7) is None  # never drained

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -188,11 +189,20 @@ def drain(
     device: int, lo: int, runs: Sequence[tuple[int, int]], buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any,
     chunk: int, copied: Any = None,
 ) -> list[str]:
+    """:func:`copy_out`, then the digests of the whole file once every chunk is hashed."""
+    return [f.result() for f in copy_out(device, lo, runs, buf, slot_buf, stream, chunk, copied)]
+
+
+def copy_out(
+    device: int, lo: int, runs: Sequence[tuple[int, int]], buf: torch.Tensor, slot_buf: torch.Tensor, stream: Any,
+    chunk: int, copied: Any = None,
+) -> list[Future[str]]:
     """Copy every run (file ranges; the buffer starts at file offset ``lo``) to the slot
-    in ``PIECE``-byte copies, at most ``WINDOW`` in flight, and hash each ``chunk`` of the file as soon as the copies have passed it; returns the
-    digests of the whole file (the header and bytes outside the runs must be in already).
-    ``copied()`` is called once every copy has landed, before the last hashes finish: the
-    buffer may be written again from then on.
+    in ``PIECE``-byte copies, at most ``WINDOW`` in flight, and hash each ``chunk`` of the
+    file as soon as the copies have passed it. Returns once every copy has landed (after
+    calling ``copied()``: the buffer may be written again from then on), with the futures
+    of the whole file's chunk digests, the last of them still being hashed (the header and
+    bytes outside the runs must be in the slot already).
 
     The pieces exist so hashing can start while the drain goes on. (They do not spare a
     training loop's ``loss.item()`` the wait for a drain its own process enqueued:
@@ -200,7 +210,7 @@ def drain(
     size = slot_buf.numel()
     view = memoryview(slot_buf.numpy())  # type: ignore[arg-type]
     pool = checksum_pool()
-    futures: list[Any] = []
+    futures: list[Future[str]] = []
     flight: deque[tuple[int, Any]] = deque()
     done_to = lo  # every byte below this is in the slot
 
@@ -227,4 +237,4 @@ def drain(
     advance(size)
     if copied is not None:
         copied()
-    return [f.result() for f in futures]
+    return futures

@@ -47,7 +47,7 @@ class RemoteDrain:
         self._open: tuple[int, int] | None = None  # (writer gen, buffer id) a writer has open
         self._said = False
         self.busy_step: int | None = None
-        self.drained: tuple[int, float] | None = None  # (step, perf_counter) of the last DRAINED
+        self._drained: dict[int, float] = {}  # step -> perf_counter of its DRAINED, until taken
 
     def offer(self, buf: Any) -> bool:
         """True if the current writer has ``buf`` open (a drain can go there now); else
@@ -113,8 +113,15 @@ class RemoteDrain:
             if step != self.busy_step:
                 return
             self.busy_step = None
-            self.drained = (step, time.perf_counter())
+            self._drained[step] = time.perf_counter()
+            while len(self._drained) > 8:  # steps whose commit never asked (failed saves)
+                del self._drained[min(self._drained)]
         self._free.set()
+
+    def drained_at(self, step: int) -> float | None:
+        """When the writer said it had read ``step``'s snapshot (once; None if it never said)."""
+        with self._lock:
+            return self._drained.pop(step, None)
 
     def wait_free(self, timeout: float) -> None:
         """Before a save copies into the buffer again: the writer's previous drain is over."""

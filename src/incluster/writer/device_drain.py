@@ -12,12 +12,14 @@ CUDA in the writer.
 from __future__ import annotations
 
 import mmap
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from incluster.errors import CheckpointError
-from incluster.staging.device_snapshot import drain
+from incluster.staging.device_snapshot import copy_out
 from incluster.writer.local_commit import CommitRequest
 
 
@@ -31,6 +33,7 @@ class DeviceDrains:
         self.device = 0
         self.stream: Any = None
         self._pinned: dict[int, torch.Tensor] = {}  # id(mapping) -> its page-locked uint8 view
+        self._lock = threading.Lock()  # pin (drains, main loop) and unpin (commits, their thread)
         service.on_unmap = self.unpin
 
     def open(self, buf_id: int, args: tuple[Any, ...], device: int, slots: list[tuple[int, str, int]]) -> str | None:
@@ -56,35 +59,37 @@ class DeviceDrains:
                 return str(exc)
         return None
 
-    def run(self, req: CommitRequest, copied: Any = None) -> tuple[str, ...]:
-        """Copy the request's runs of the buffer into its slot; the whole file's digests.
-        ``copied()`` runs once the buffer is read (the hashing of the last chunks goes on):
-        the trainer may then write its next snapshot while this one is still hashed."""
+    def start(self, req: CommitRequest, copied: Any = None) -> list[Future[str]]:
+        """Copy the request's runs of the buffer into its slot; returns once the buffer is
+        read (after ``copied()``: the trainer may then write its next snapshot), with the
+        futures of the whole file's digests, the last chunks still being hashed: the commit
+        waits for them on another thread while the next drain already runs here."""
         buf_id, lo, runs = req.drain  # type: ignore[misc]
         if self.buf is None or buf_id != self.buf_id:
             raise CheckpointError(f"step {req.step}: the device-side snapshot {buf_id} is not open in the writer")
         slot = self.pin(self.service.map_slot(str(req.slot), req.staging_path, req.size, populate=False))
         try:
             with torch.cuda.device(self.device):
-                return tuple(drain(self.device, lo, runs, self.buf, slot, self.stream, req.chunk, copied))
+                return copy_out(self.device, lo, runs, self.buf, slot, self.stream, req.chunk, copied)
         finally:
             self.stream.synchronize()  # nothing reads the buffer once we answer
 
     def pin(self, mm: mmap.mmap) -> torch.Tensor:
-        t = self._pinned.get(id(mm))
-        if t is not None:
+        with self._lock:
+            t = self._pinned.get(id(mm))
+            if t is not None:
+                return t
+            t = torch.frombuffer(mm, dtype=torch.uint8)
+            if t.numel():
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+                code = int(getattr(err, "value", err))
+                if code != 0:
+                    raise CheckpointError(
+                        f"the writer could not page-lock a {t.numel()}-byte slot (CUDA error {code}); raise the "
+                        f"locked-memory limit (ulimit -l) or use gpu_drain='trainer'"
+                    )
+            self._pinned[id(mm)] = t
             return t
-        t = torch.frombuffer(mm, dtype=torch.uint8)
-        if t.numel():
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-            code = int(getattr(err, "value", err))
-            if code != 0:
-                raise CheckpointError(
-                    f"the writer could not page-lock a {t.numel()}-byte slot (CUDA error {code}); raise the "
-                    f"locked-memory limit (ulimit -l) or use gpu_drain='trainer'"
-                )
-        self._pinned[id(mm)] = t
-        return t
 
     def close(self) -> None:
         """Let go of the shared buffer (the trainer's process then frees it without a
@@ -100,6 +105,7 @@ class DeviceDrains:
 
     def unpin(self, mm: mmap.mmap) -> None:
         """Before the service closes a mapping."""
-        t = self._pinned.pop(id(mm), None)
+        with self._lock:
+            t = self._pinned.pop(id(mm), None)
         if t is not None and t.numel():
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 from typing import Any, Callable
 
 from incluster.commit import Coordinator, SoloCoordinator, StoreCoordinator
@@ -43,6 +44,7 @@ class CommitService:
         self.coord = _coordinator(params)
         self.watch = self.coord if params.store is None else _coordinator(params)
         self._maps: dict[str, tuple[int, int, int, mmap.mmap]] = {}  # slot key -> (ino, size, fd, map)
+        self._maps_lock = threading.Lock()
         self.on_unmap: Callable[[mmap.mmap], None] | None = None  # before a mapping is closed
         self.uploader = None
         if params.persist is not None:
@@ -181,17 +183,19 @@ class CommitService:
         return self.map_slot(str(req.slot), req.staging_path, req.size, populate=req.digests is None)
 
     def map_slot(self, key: str, path: str, size: int, *, populate: bool) -> mmap.mmap:
-        """The writer's own mapping of a slot file, kept while the slot's inode and size stay."""
-        st = os.stat(path)
-        cached = self._maps.get(key)
-        if cached and cached[0] == st.st_ino and cached[1] == size:
-            return cached[3]
-        if cached:
-            self._unmap(cached)
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
-        self._maps[key] = (st.st_ino, size, fd, mm)
-        return mm
+        """The writer's own mapping of a slot file, kept while the slot's inode and size stay.
+        Called by the drains (the writer's main loop) and the commits (their own thread)."""
+        with self._maps_lock:
+            st = os.stat(path)
+            cached = self._maps.get(key)
+            if cached and cached[0] == st.st_ino and cached[1] == size:
+                return cached[3]
+            if cached:
+                self._unmap(cached)
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
+            self._maps[key] = (st.st_ino, size, fd, mm)
+            return mm
 
     def _unmap(self, cached: tuple[int, int, int, mmap.mmap]) -> None:
         if self.on_unmap is not None:
@@ -202,9 +206,10 @@ class CommitService:
     def close(self, timeout: float = 600.0) -> None:
         if self.uploader is not None:
             self.uploader.wait_idle(timeout)
-        for cached in self._maps.values():
-            self._unmap(cached)
-        self._maps.clear()
+        with self._maps_lock:
+            for cached in self._maps.values():
+                self._unmap(cached)
+            self._maps.clear()
         if self.replicator is not None:
             self.replicator.close()
         self.coord.close()

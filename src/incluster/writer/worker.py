@@ -18,11 +18,16 @@ import queue
 import signal
 import sys
 import threading
+import traceback
+from concurrent.futures import Future
 from functools import partial
 from multiprocessing.connection import Connection
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from incluster.writer.protocol import Kind, Message, WriterParams
+
+if TYPE_CHECKING:
+    from incluster.writer.local_commit import CommitRequest
 
 
 def _die_with_parent() -> None:
@@ -90,6 +95,49 @@ def serve(conn: Connection) -> None:
 
     replicator = threading.Thread(target=replicate, name="incluster-replicate", daemon=True)
     replicator.start()
+    # Commits (and failures, which replicate in the same step order) run in order on their
+    # own thread: while step N's last chunks are hashed and N is committed, this loop is
+    # already copying step N+1 out of the device-side snapshot. Only that copy is serial
+    # (one PCIe link); a save every k steps keeps up whenever the copy alone does.
+    commits: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
+
+    def commit() -> None:
+        while (job := commits.get()) is not None:
+            try:
+                job()
+            except BaseException:  # a commit thread gone quietly would leave every later save waiting
+                traceback.print_exc()
+                os._exit(70)  # the trainer sees the writer die and starts another
+
+    def finish(seq: int, step: int, req: CommitRequest, digests: list[Future[str]] | None,
+               err: BaseException | None) -> None:
+        own = None
+        try:
+            if err is not None:
+                raise err
+            if digests is not None:
+                req = dataclasses.replace(req, drain=None, digests=tuple(f.result() for f in digests))
+            path, own, persist = service.commit(req)
+        except Exception as exc:  # noqa: BLE001
+            send(Message(Kind.ERROR, gen, seq, step, error=str(exc), error_type=type(exc).__name__))
+            replicas.put(partial(exchange, seq, step, None, False))
+            return
+        send(Message(Kind.LOCAL_DONE, gen, seq, step, payload=(path, persist)))
+        if persist:
+
+            def uploaded(err: str | None) -> None:
+                send(Message(Kind.PERSISTED, gen, seq, step, error=err))
+
+            if not service.upload(step, own, uploaded):
+                uploaded("skipped: the previous upload was still running")
+        replicas.put(partial(exchange, seq, step, own, True))
+
+    def failed(seq: int, step: int, reason: str) -> None:
+        service.fail(step, reason)
+        replicas.put(partial(exchange, seq, step, None, False))
+
+    committer = threading.Thread(target=commit, name="incluster-commit", daemon=True)
+    committer.start()
     drains = None  # device_drain.DeviceDrains, once the trainer shares a device-side snapshot
     while True:
         try:
@@ -97,47 +145,35 @@ def serve(conn: Connection) -> None:
         except (EOFError, OSError):
             os._exit(0)  # the trainer is gone
         if msg.kind is Kind.COMMIT:
-            own = None
             req = msg.payload
-            try:
-                if req.drain is not None:
+            digests, err = None, None
+            if req.drain is not None:
+                try:
                     if drains is None:
                         raise RuntimeError("no device-side snapshot was shared with this writer")
                     # DRAINED as soon as the buffer is read, before the last hashes finish
-                    digests = drains.run(req, partial(send, Message(Kind.DRAINED, gen, msg.seq, msg.step)))
-                    req = dataclasses.replace(req, drain=None, digests=digests)
-                path, own, persist = service.commit(req)
-            except Exception as exc:  # noqa: BLE001
-                send(Message(Kind.ERROR, gen, msg.seq, msg.step, error=str(exc), error_type=type(exc).__name__))
-                replicas.put(partial(exchange, msg.seq, msg.step, None, False))
-                continue
-            send(Message(Kind.LOCAL_DONE, gen, msg.seq, msg.step, payload=(path, persist)))
-            if persist:
-                seq, step = msg.seq, msg.step
-
-                def uploaded(err: str | None, seq: int = seq, step: int = step) -> None:
-                    send(Message(Kind.PERSISTED, gen, seq, step, error=err))
-
-                if not service.upload(step, own, uploaded):
-                    uploaded("skipped: the previous upload was still running")
-            replicas.put(partial(exchange, msg.seq, msg.step, own, True))
+                    digests = drains.start(req, partial(send, Message(Kind.DRAINED, gen, msg.seq, msg.step)))
+                except Exception as exc:  # noqa: BLE001 - reported in step order by the commit thread
+                    err = exc
+            commits.put(partial(finish, msg.seq, msg.step, req, digests, err))
         elif msg.kind is Kind.FAIL:
-            service.fail(msg.step, msg.error or "failed")
-            replicas.put(partial(exchange, msg.seq, msg.step, None, False))
+            commits.put(partial(failed, msg.seq, msg.step, msg.error or "failed"))
         elif msg.kind is Kind.DEVICE_BUFFER:
-            err = None
+            err_text = None
             try:
                 if drains is None:
                     from incluster.writer.device_drain import DeviceDrains
 
                     drains = DeviceDrains(service)
-                err = drains.open(*msg.payload)
+                err_text = drains.open(*msg.payload)
             except Exception as exc:  # noqa: BLE001 - e.g. CUDA cannot start here
-                err = f"{type(exc).__name__}: {exc}"
-            send(Message(Kind.DEVICE_READY, gen, payload=msg.payload[0], error=err))
-        elif msg.kind is Kind.REPLICATE:
-            replicas.put(partial(re_replicate, msg.step, msg.payload))
+                err_text = f"{type(exc).__name__}: {exc}"
+            send(Message(Kind.DEVICE_READY, gen, payload=msg.payload[0], error=err_text))
+        elif msg.kind is Kind.REPLICATE:  # in order with the commits before it
+            commits.put(partial(replicas.put, partial(re_replicate, msg.step, msg.payload)))
         elif msg.kind is Kind.SHUTDOWN:
+            commits.put(None)
+            committer.join(msg.payload or None)
             replicas.put(None)
             replicator.join(msg.payload or None)
             outcomes.put(None)
