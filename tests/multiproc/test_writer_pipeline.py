@@ -71,12 +71,18 @@ def test_the_next_copy_runs_while_the_previous_step_commits_and_replies_keep_ste
             got.append((msg.kind.value, msg.step, time.perf_counter() - t0))
     finally:
         conn.close()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     order = [(k, s) for k, s, _ in got if k != "device_ready"]
     at = {(k, s): t for k, s, t in got}
     # Step 2 was copied while step 1 was still committing...
     assert at[("drained", 2)] < at[("local_done", 1)], order
-    assert at[("local_done", 1)] - at[("drained", 1)] >= COMMIT_S * 0.9, order
+    assert at[("local_done", 1)] - at[("drained", 1)] >= COMMIT_S * 0.5, order
+    # A copy that failed frees the buffer at once; its error waits for the steps before it.
+    assert at[("drained", 4)] < at[("local_done", 2)], order
     # ...yet every reply about a commit comes in step order, and shut-down waits for them all.
     commits = [(k, s) for k, s in order if k in ("local_done", "error")]
     assert commits == [("local_done", 1), ("local_done", 2), ("error", 4)], order

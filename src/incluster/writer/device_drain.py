@@ -97,10 +97,11 @@ class DeviceDrains:
         if self.stream is not None:
             self.stream.synchronize()
         self.buf, self.buf_id = None, None
-        for t in list(self._pinned.values()):
+        with self._lock:
+            pinned, self._pinned = list(self._pinned.values()), {}
+        for t in pinned:
             if t.numel():
                 torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-        self._pinned.clear()
         torch.cuda.ipc_collect()
 
     def unpin(self, mm: mmap.mmap) -> None:

@@ -18,6 +18,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from functools import partial
@@ -95,11 +96,13 @@ def serve(conn: Connection) -> None:
 
     replicator = threading.Thread(target=replicate, name="incluster-replicate", daemon=True)
     replicator.start()
-    # Commits (and failures, which replicate in the same step order) run in order on their
-    # own thread: while step N's last chunks are hashed and N is committed, this loop is
-    # already copying step N+1 out of the device-side snapshot. Only that copy is serial
-    # (one PCIe link); a save every k steps keeps up whenever the copy alone does.
-    commits: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
+    # Commits (and failures and re-replications, which replicate in the same step order)
+    # run in order on their own thread: while step N's last chunks are hashed and N is
+    # committed, this loop already copies step N+1 out of the device-side snapshot (with
+    # keep >= 3, where step N+1 has a slot before step N is durable). Bounded: a commit
+    # that hangs stops this loop from reading within a few messages, so the trainer's
+    # send times out and it restarts the writer, as when the loop itself committed.
+    commits: "queue.Queue[Callable[[], None] | None]" = queue.Queue(maxsize=4)
 
     def commit() -> None:
         while (job := commits.get()) is not None:
@@ -155,6 +158,9 @@ def serve(conn: Connection) -> None:
                     digests = drains.start(req, partial(send, Message(Kind.DRAINED, gen, msg.seq, msg.step)))
                 except Exception as exc:  # noqa: BLE001 - reported in step order by the commit thread
                     err = exc
+                    # Nothing reads the buffer any more (start() waited for its copies): the
+                    # next snapshot need not wait for the error, which queues behind step N.
+                    send(Message(Kind.DRAINED, gen, msg.seq, msg.step))
             commits.put(partial(finish, msg.seq, msg.step, req, digests, err))
         elif msg.kind is Kind.FAIL:
             commits.put(partial(failed, msg.seq, msg.step, msg.error or "failed"))
@@ -172,12 +178,20 @@ def serve(conn: Connection) -> None:
         elif msg.kind is Kind.REPLICATE:  # in order with the commits before it
             commits.put(partial(replicas.put, partial(re_replicate, msg.step, msg.payload)))
         elif msg.kind is Kind.SHUTDOWN:
+            deadline = time.monotonic() + msg.payload if msg.payload else None
+
+            def left() -> float | None:
+                return None if deadline is None else max(0.0, deadline - time.monotonic())
+
             commits.put(None)
-            committer.join(msg.payload or None)
+            committer.join(left())
+            if committer.is_alive():  # its mappings and pinned memory are still in use: no teardown
+                print("incluster writer: a commit did not finish before shut-down; exiting", file=sys.stderr)
+                os._exit(71)
             replicas.put(None)
-            replicator.join(msg.payload or None)
+            replicator.join(left())
             outcomes.put(None)
-            watcher.join(msg.payload or None)
+            watcher.join(left())
             if drains is not None:
                 try:
                     drains.close()
