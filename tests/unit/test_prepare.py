@@ -36,6 +36,20 @@ def test_prepare_maps_every_slot_before_the_first_save(local_dir):
         assert _maps(ck) == before, "a save (re)mapped a slot that prepare() had made ready"
 
 
+def test_the_ram_a_rank_takes_is_said_once(local_dir, caplog):
+    caplog.set_level("INFO", logger="incluster")
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    train(m, o, 1)
+    state = {"model": m, "optim": o}
+    with _ckpt(local_dir, keep=3) as ck:
+        ck.prepare(state).result(30)  # three slots made ready
+        for step in range(1, 3):
+            ck.save(step, state).wait()
+    said = [r.getMessage() for r in caplog.records if "this rank takes about" in r.getMessage()]
+    assert len(said) == 1 and "3 slot files of its own" in said[0], said
+
+
 def test_a_grown_state_remaps_free_slots_after_the_save_not_in_the_next(local_dir):
     m = tiny_model()
     o = torch.optim.AdamW(m.parameters())

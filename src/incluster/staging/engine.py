@@ -87,6 +87,7 @@ class Stager:
         self.layouts = LayoutCache()
         self.pin = False
         self.replica_slots = 0  # slots this rank's writer keeps for its partners' replicas
+        self._said_size = False  # the RAM this rank's slots take is said once
         self._cuda: Any = None
         self._device: Any = None  # device_snapshot.DeviceSnapshots, at the first GPU save
         self._helper: ThreadPoolExecutor | None = None
@@ -272,7 +273,8 @@ class Stager:
         other.result()
 
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
-        if self.layouts.misses == 1 and self.layouts.hits == 0:
+        if not self._said_size:
+            self._said_size = True
             mib = layout.total_size / 2**20
             log.info(
                 "incluster: shard is %.1f MiB; this rank takes about %.1f MiB of %s: %d slot files of its "
