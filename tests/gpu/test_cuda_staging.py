@@ -156,6 +156,28 @@ def test_a_writer_killed_while_it_drains_loses_only_that_save(local_dir, remote_
         _assert_shard(ck.folder, 5, expected)
 
 
+def test_saves_every_step_drained_by_the_writer_each_hold_their_own_step(local_dir, remote_steps):
+    """keep=3: the writer copies step N+1 out of the snapshot while it still hashes and
+    commits step N; every committed shard holds exactly its own step's values."""
+    m, o = _model()
+    _step(m, o)
+    state = {"model": m, "optim": o}
+    with incluster.Checkpointer(local_dir=local_dir, job="every-step", replicas=0, keep=3) as ck:
+        ck.prepare(state).result(120)
+        _wait_writer_drains(ck)
+        expected, handles = {}, []
+        for step in range(1, 9):
+            _step(m, o)
+            expected[step] = _expected(state)
+            handles.append(ck.save(step, state))
+        for h in handles:
+            h.wait(120)
+        assert remote_steps == list(range(1, 9))
+        for step in (6, 7, 8):  # the three the ring keeps
+            _assert_shard(ck.folder, step, expected[step])
+        assert all(h.staged_s <= h.drained_s <= h.durable_s for h in handles)
+
+
 def test_plain_dict_state_is_ordered_too(local_dir, delayed_copies):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
