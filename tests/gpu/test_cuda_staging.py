@@ -209,12 +209,14 @@ def test_no_room_falls_back_to_direct_copies_and_says_so_once(local_dir, caplog)
     assert len(said) == 1
 
 
-def test_prepare_page_locks_every_slot_before_the_first_save(local_dir):
+def test_prepare_page_locks_every_slot_before_the_first_save(local_dir, caplog):
+    caplog.set_level(logging.DEBUG, logger="incluster")
     m, o = _model()
     _step(m, o)
     state = {"model": m, "optim": o}
     with incluster.Checkpointer(local_dir=local_dir, job="prep", replicas=0) as ck:
         ck.prepare(state).result(120)
+        assert not [r for r in caplog.records if "not warmed" in r.getMessage()]  # the snapshot's copies ran once
         assert len(ck.ring.slots) == ck.ring.keep
         for s in ck.ring.slots:
             assert s.pinned and s.buf is not None and s.buf.is_pinned(), s.index

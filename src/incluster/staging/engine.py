@@ -204,7 +204,14 @@ class Stager:
         kinds = self.kinds(tensors)
         if "g" in kinds:
             self.pin = True
-            self._devices().plan(layout, tensors, kinds)
+            plan = self._devices().plan(layout, tensors, kinds)
+            if plan is not None:
+                from incluster.staging.device_snapshot import warm
+
+                try:
+                    warm(plan, tensors, self._copier().stream(plan.device))
+                except Exception as exc:  # noqa: BLE001 - an optimisation only: the save copies anyway
+                    log.debug("incluster: the snapshot's copies were not warmed: %s", exc)
 
     def release_device(self) -> None:
         """After close(): free the device-side snapshot (the writer has let go of it)."""
