@@ -144,9 +144,22 @@ def real(local_dir: str) -> tuple[str, dict[str, torch.Tensor]]:
 def test_ls_two_nodes_shows_ranks_nodes_tiers(cluster: dict[str, str]) -> None:
     out = cli("ls", cluster["nodeA"], cluster["nodeB"])
     assert out.returncode == 0, out.stdout + out.stderr
-    row = next(line for line in out.stdout.splitlines() if "│ j " in line)
+    row = next(line for line in out.stdout.splitlines() if line.split()[:2] == ["j", "10"])
     for word in ("10", "2/2", "nodeA, nodeB", "ram, replica", "complete"):
         assert word in row, row
+
+
+def test_ls_and_verify_without_dir_read_this_nodes_ram_folder_and_fit_80_columns(
+        real: tuple[str, dict[str, torch.Tensor]]) -> None:
+    root, _ = real
+    env = {**os.environ, "COLUMNS": "80", "INCLUSTER_LOCAL_DIR": root}
+    out = subprocess.run([*CLI, "ls"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert all(len(line.rstrip()) <= 80 for line in lines), out.stdout
+    assert any(line.split()[:3] == ["j", "3", "1/1"] and line.rstrip().endswith("complete") for line in lines), out.stdout
+    out = subprocess.run([*CLI, "verify"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "OK: 2 copies checked, 0 corrupt" in out.stdout, out.stdout + out.stderr
 
 
 def test_verify_names_the_corrupt_file_and_fails(cluster: dict[str, str]) -> None:
@@ -212,7 +225,9 @@ def test_real_checkpoint_ls_and_export_both_formats(real: tuple[str, dict[str, t
 
     root, model = real
     code, text = inproc(capsys, "ls", root)
-    assert code == 0 and "│ j   │    3 │   1/1 │" in text and "n0" in text and "complete" in text, text
+    rows = [line.split() for line in text.splitlines()]
+    assert code == 0 and ["j", "3", "1/1", "1", "n0", "ram"] in [r[:6] for r in rows], text
+    assert "complete" in text, text
     code, text = inproc(capsys, "export", os.path.join(root, "j"), "--step", "3", "--to", "safetensors",
                         str(tmp_path / "m.safetensors"))
     assert code == 0, text

@@ -9,7 +9,8 @@ each sets ``func(args) -> int`` (0: all good; 1: a fault was found; 2: bad argum
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import os
+from typing import Any, Callable
 
 __all__ = ["register"]
 
@@ -18,8 +19,12 @@ _DIRS = ("a node's RAM folder (e.g. /dev/shm/incluster), a job folder, a folder 
          "or a persistent-tier path/URL; several DIRs are read together (one per node)")
 
 
-def _locations(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dirs", metavar="DIR", nargs="+", help=_DIRS)
+def _locations(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
+    if optional:
+        p.add_argument("dirs", metavar="DIR", nargs="*",
+                       help=_DIRS + "; none: this node's RAM folder ($INCLUSTER_LOCAL_DIR, else /dev/shm/incluster)")
+    else:
+        p.add_argument("dirs", metavar="DIR", nargs="+", help=_DIRS)
     p.add_argument("--persistent", metavar="URL", action="append", default=[],
                    help="also read this persistent tier (path or fsspec URL: s3://bucket/ckpt, ...)")
     p.add_argument("--job", default=None, help="only this job (default: every job found)")
@@ -45,18 +50,31 @@ def _intermixed(p: argparse.ArgumentParser) -> None:
     p.parse_known_args = parse  # type: ignore[method-assign]
 
 
+def _here_by_default(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """No DIR and no --persistent: this node's RAM folder, where a job on it saves by default."""
+
+    def with_dirs(args: argparse.Namespace) -> int:
+        if not args.dirs and not args.persistent:
+            from incluster.config import DEFAULT_LOCAL_DIR
+
+            args.dirs = [os.environ.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR]
+        return run(args)
+
+    return with_dirs
+
+
 def register(sub: Any) -> None:
     """Add ``ls``, ``verify`` and ``export`` to an argparse sub-parsers object."""
     from incluster.tools import export, ls, verify
 
     p = sub.add_parser("ls", help="list stored checkpoints: steps, ranks, nodes, tiers, sizes, completeness")
-    _locations(p)
-    p.set_defaults(func=ls.run)
+    _locations(p, optional=True)
+    p.set_defaults(func=_here_by_default(ls.run))
 
     p = sub.add_parser("verify", help="check every stored copy's checksums; non-zero exit on any fault")
-    _locations(p)
+    _locations(p, optional=True)
     p.add_argument("--step", type=int, default=None, help="only this step (default: every step)")
-    p.set_defaults(func=verify.run)
+    p.set_defaults(func=_here_by_default(verify.run))
 
     p = sub.add_parser("export", help="assemble one full state dict from every rank's shard of a step")
     _locations(p)

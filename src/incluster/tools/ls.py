@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from rich import box
 from rich.table import Table
 
 from incluster.tools.models import Copy, Inventory, missing_ranks, world_size
@@ -42,11 +43,10 @@ def status(ranks: dict[int, list[Copy]]) -> tuple[bool, str]:
 
 
 def table(inv: Inventory) -> Table:
-    t = Table(title="incluster checkpoints", title_justify="left")
-    for col, kw in (("job", {}), ("step", {"justify": "right"}), ("ranks", {"justify": "right"}),
-                    ("copies", {"justify": "right"}), ("shared", {"justify": "right"}), ("nodes", {}), ("tiers", {}),
-                    ("size", {"justify": "right"}), ("stored", {"justify": "right"}), ("status", {})):
-        t.add_column(col, **kw)  # type: ignore[arg-type]
+    """One row per step; the "shared" column only when some copy is shared. Fits an
+    80-column terminal: no vertical rules, figures never cut, words wrap whole (a long job
+    name folds), nothing ends in "..."."""
+    rows, any_shared = [], False
     for (job, step), ranks in inv.steps().items():
         w, _ = world_size(ranks)
         present = sum(1 for cs in ranks.values() if any(c.sidecar for c in cs))
@@ -54,11 +54,24 @@ def table(inv: Inventory) -> Table:
         nodes = sorted({c.holder for c in copies if c.tier != "persistent"})
         tiers = sorted({c.tier for c in copies}, key=["ram", "replica", "persistent"].index)
         one = sum(next((c.nbytes for c in cs if c.sidecar), 0) for cs in ranks.values())
+        shared = sum(1 for c in copies if c.shared)
+        any_shared = any_shared or shared > 0
         complete, words = status(ranks)
-        t.add_row(job, str(step), f"{present}/{w if w is not None else '?'}", str(len(copies)),
-                  str(sum(1 for c in copies if c.shared)),
-                  ", ".join(nodes) or "-", ", ".join(tiers), human(one), human(sum(c.stored for c in copies)),
-                  f"[green]{words}[/]" if complete else f"[red]{words}[/]")
+        rows.append({"job": job, "step": str(step), "ranks": f"{present}/{w if w is not None else '?'}",
+                     "copies": str(len(copies)), "shared": str(shared), "nodes": ", ".join(nodes) or "-",
+                     "tiers": ", ".join(tiers), "size": human(one), "stored": human(sum(c.stored for c in copies)),
+                     "status": f"[green]{words}[/]" if complete else f"[red]{words}[/]"})
+    t = Table(title="incluster checkpoints", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              padding=(0, 1, 0, 0))
+    num = {"justify": "right", "no_wrap": True}
+    word = {"overflow": "fold"}
+    cols = [("job", word), ("step", num), ("ranks", num), ("copies", num), ("shared", num), ("nodes", word),
+            ("tiers", word), ("size", num), ("stored", num), ("status", {**word, "min_width": 8})]
+    cols = [c for c in cols if c[0] != "shared" or any_shared]
+    for col, kw in cols:
+        t.add_column(col, **kw)  # type: ignore[arg-type]
+    for row in rows:
+        t.add_row(*(row[col] for col, _ in cols))
     return t
 
 
@@ -71,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}", markup=False)
     else:
         out.print(table(inv))
-        out.print("size: one copy of every rank; stored: every copy in every tier; shared: replicas whose "
-                  "bytes are a data-parallel peer's identical shard on the same node (stored once)", style="dim")
+        shared = any(c.shared for c in inv.copies)
+        out.print("size: one copy of every rank; stored: every copy in every tier"
+                  + ("; shared: replicas whose bytes are a data-parallel peer's identical shard on the same node "
+                     "(stored once)" if shared else ""), style="dim")
     for c in inv.copies:
         if c.error:
             line(out, "[red]unreadable sidecar:[/]", c.error)
