@@ -11,11 +11,13 @@ than one rank exists (every rank must call them); save() never is.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
@@ -59,6 +61,38 @@ def _rank_world() -> tuple[int, int]:
             f"torch.distributed.init_process_group() before creating the Checkpointer"
         )
     return 0, 1
+
+
+def _close_at_exit(ckpt: "Checkpointer") -> None:
+    """A script that ends without ``close()`` must not lose the save it just made: at
+    interpreter exit - before the thread pools shut down, which would leave a staged save
+    no way to reach its writer - the Checkpointer drains what is in flight, and says so.
+    Holds the Checkpointer weakly: one that was dropped or closed, or has nothing in
+    flight, is not touched."""
+    ref = weakref.ref(ckpt)
+
+    def drain() -> None:
+        c = ref()
+        if c is None or c._closed:
+            return
+        with c._lock:
+            pending = [h.step for h in c._pending if not h.durable.done()]
+        if not pending:
+            return  # nothing to lose: the writer process follows its trainer out
+        log.warning("incluster: rank %d exits without Checkpointer.close(); finishing the save(s) of step(s) "
+                    "%s first (call close() at the end of training)", c.rank, pending)
+        try:
+            c.close()
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; say what was lost
+            log.warning("incluster: rank %d: saves in flight at exit did not complete: %s", c.rank, exc)
+
+    register = getattr(threading, "_register_atexit", None)  # runs before the pools' own exit hooks
+    try:
+        if register is None:
+            raise RuntimeError
+        register(drain)
+    except RuntimeError:  # no such hook, or the interpreter is exiting already
+        atexit.register(drain)
 
 
 class Checkpointer(SavePipeline):
@@ -138,6 +172,7 @@ class Checkpointer(SavePipeline):
         self._warned_warm = False
         self.last_restore: RestoreReport | None = None
         self._old_world: int | None = None  # after a resharding restore: the world it came from
+        _close_at_exit(self)
         self.events: ev.EventRecorder | ev.NullRecorder = (
             ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
         )

@@ -9,6 +9,7 @@ the live tensor each stored name lands in.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any, Callable, Mapping
 
@@ -17,6 +18,9 @@ import torch
 from incluster import dtensor
 from incluster.errors import CheckpointError
 from incluster.state import escape_part, is_stateful
+
+log = logging.getLogger("incluster")
+_SAID_LEFT_OUT: set[tuple[Any, ...]] = set()  # each set of parts left out is said once per process
 
 Fetch = Callable[[str], torch.Tensor]
 
@@ -239,6 +243,11 @@ def load_into(
     caller, see :func:`live_targets`); a live tensor that is that very memory is not
     copied again, any other use of the name copies from it instead of calling ``fetch``."""
     _check_tree(state, tree)
+    left_out = tuple(k for k, _ in tree["d"] if k not in state)
+    if left_out and left_out not in _SAID_LEFT_OUT:  # a model-only load is fine; a forgotten optimizer is not
+        _SAID_LEFT_OUT.add(left_out)
+        log.warning("incluster: the checkpoint also holds %s, which this load() was not given: not restored "
+                    "(put it in the state passed to load() to restore it)", list(left_out))
     loader = _Loader(fetch, allow_pickle, placed)
     with torch.no_grad():
         init_lazy_optimizers(state, tree)

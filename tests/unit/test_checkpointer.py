@@ -335,3 +335,46 @@ builtins._held = Holder(ck)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "closed at exit" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+_EXIT_WITHOUT_CLOSE = """
+import sys, torch, incluster
+torch.manual_seed(0)
+m = torch.nn.Linear(1024, 1024); o = torch.optim.AdamW(m.parameters())
+m(torch.randn(4, 1024)).sum().backward(); o.step()
+c = incluster.Checkpointer(local_dir=sys.argv[1], job="noclose", writer=sys.argv[2])
+c.save(7, {"model": m, "optim": o})
+torch.save(m.state_dict(), sys.argv[3])
+"""  # ends right after save(): no wait(), no close()
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_script_that_ends_without_close_keeps_its_last_save(local_dir, tmp_path, writer):
+    import subprocess
+    import sys
+
+    ref = str(tmp_path / "ref.pt")
+    out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, local_dir, writer, ref],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "exits without Checkpointer.close()" in out.stderr  # and says so
+    m = torch.nn.Linear(1024, 1024)
+    with incluster.Checkpointer(local_dir=local_dir, job="noclose", writer="thread") as ck:
+        assert ck.load({"model": m}) == 7
+    saved = torch.load(ref)
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in saved.items())
+
+
+def test_a_load_given_fewer_parts_than_were_saved_restores_those_and_names_the_rest(local_dir, caplog):
+    caplog.set_level(logging.WARNING, logger="incluster")
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    train(m, o, 1)
+    with incluster.Checkpointer(local_dir=local_dir, job="part", writer="thread") as ck:
+        ck.save(3, {"model": m, "optim": o, "left_out_scheduler": {"epoch": 2}}).wait()
+    m2 = tiny_model(seed=9)
+    with incluster.Checkpointer(local_dir=local_dir, job="part", writer="thread") as ck:
+        assert ck.load({"model": m2}) == 3  # a model-only load (evaluation) is allowed
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in m.state_dict().items())
+    said = [r.getMessage() for r in caplog.records if "which this load() was not given" in r.getMessage()]
+    assert len(said) == 1 and "['optim', 'left_out_scheduler']" in said[0], said
