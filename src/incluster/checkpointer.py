@@ -105,6 +105,7 @@ class Checkpointer(SavePipeline):
     """
 
     def __init__(self, **options: Any) -> None:
+        _config.check_names(options, "Checkpointer()")
         self.config = _config.resolve(**options)
         self._job_derived = False  # rank 0: no job= or INCLUSTER_JOB, so the name came from the launch
         self.rank, self.world_size = _rank_world()

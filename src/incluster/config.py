@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import inspect
 import os
 import re
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from incluster.tiers.local import check_job
 
@@ -110,6 +112,22 @@ class Config:
             raise ValueError(f"node must be a non-empty name without '/' (got {self.node!r})")
 
 
+def check_names(options: Mapping[str, Any], where: str) -> None:
+    """Refuse an option :func:`resolve` does not take, naming the closest one."""
+    known = [n for n in inspect.signature(resolve).parameters]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (options: {', '.join(known)})"
+            raise TypeError(f"{where} got an unknown option {name!r}{hint}")
+
+
+def _path(name: str, value: Any) -> Any:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), not {type(value).__name__} {value!r}")
+    return value
+
+
 def resolve(
     *,
     local_dir: str | os.PathLike[str] | None = None,
@@ -134,6 +152,8 @@ def resolve(
 ) -> Config:
     """Fill unset options from the environment, then validate."""
     env = os.environ
+    _path("local_dir", local_dir)
+    _path("run_dir", run_dir)
     rd = run_dir if run_dir is not None else env.get("INCLUSTER_RUN_DIR")
     return Config(
         local_dir=os.path.abspath(os.fspath(local_dir or env.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR)),

@@ -378,3 +378,10 @@ def test_a_load_given_fewer_parts_than_were_saved_restores_those_and_names_the_r
     assert all(torch.equal(v, m2.state_dict()[k]) for k, v in m.state_dict().items())
     said = [r.getMessage() for r in caplog.records if "which this load() was not given" in r.getMessage()]
     assert len(said) == 1 and "['optim', 'left_out_scheduler']" in said[0], said
+
+
+def test_a_misspelt_or_mistyped_option_is_refused_naming_the_fix(local_dir):
+    with pytest.raises(TypeError, match=r"Checkpointer\(\) got an unknown option 'local_dirs'; did you mean 'local_dir'"):
+        incluster.Checkpointer(local_dirs=local_dir)
+    with pytest.raises(TypeError, match=r"local_dir must be a path \(str or os.PathLike\), not int"):
+        incluster.Checkpointer(local_dir=123)
