@@ -80,8 +80,10 @@ def register(sub: Any) -> None:
     _locations(p)
     p.add_argument("--step", type=int, required=True, help="the step to export")
     p.add_argument("--to", choices=("safetensors", "torch", "dcp"), required=True,
-                   help="safetensors (tensors; other values in OUT.json), torch (one torch.save dict) or "
-                        "dcp (a torch.distributed.checkpoint folder: dcp.load reshards it to any world size)")
+                   help="safetensors (tensors; other values in OUT.json) or torch (one torch.save dict), both "
+                        "keyed by flat paths ('model/0.weight', 'optim/state/0/exp_avg'), or dcp (a "
+                        "torch.distributed.checkpoint folder of the nested state: dcp.load reshards it to any "
+                        "world size)")
     p.add_argument("out", metavar="OUT", help="the file to write (for dcp, a new folder)")
     _intermixed(p)
     p.set_defaults(func=export.run)
