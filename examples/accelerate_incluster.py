@@ -64,7 +64,9 @@ def main() -> None:
     step = 0 if start is None else start
     loss = torch.zeros(())
     for epoch in range(ac.epoch, a.epochs):
+        ran = False
         for xb, yb in ac.batches(loader, epoch):  # skips what the restored step had consumed
+            ran = True
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             accelerator.backward(loss)
             optimizer.step()
@@ -74,7 +76,10 @@ def main() -> None:
             tokens.seen += len(xb)
             if step % a.save_every == 0:
                 ac.save(step)  # returns in about a millisecond
-        accelerator.print(f"epoch {epoch}: step {step}, loss {loss.item():.4f}, samples seen {tokens.seen}")
+        if ran:  # (a run restored at the very end of an epoch has nothing left of it)
+            accelerator.print(f"epoch {epoch}: step {step}, loss {loss.item():.4f}, samples seen {tokens.seen}")
+    if step % a.save_every:
+        ac.save(step)  # the last steps too: a rerun with more epochs goes on from here
     ac.close()  # drains the saves in flight
     accelerator.end_training()  # destroys the process group (gloo can abort at exit otherwise)
 
