@@ -320,3 +320,12 @@ def test_missing_dir_and_unknown_step(local_dir: str, capsys: Any) -> None:
     assert code == 2 and "no such folder" in text
     code, text = inproc(capsys, "verify", local_dir, "--step", "5")
     assert code == 1 and "no step 5 found" in text
+
+
+def test_verify_of_a_step_not_there_names_the_steps_that_are(real: tuple[str, dict[str, torch.Tensor]],
+                                                             capsys: Any) -> None:
+    root, _ = real
+    code, text = inproc(capsys, "verify", root, "--step", "7")
+    assert code == 1 and "no step 7 found" in text and "(it holds steps 2, 3)" in text, text
+    code, text = inproc(capsys, "verify", os.path.join(root, "j"), "--step", "3")
+    assert code == 0 and "OK: 1 copy checked" in text, text

@@ -23,13 +23,15 @@ def run(args: argparse.Namespace) -> int:
     if inv is None:
         return 2
     where = ", ".join(args.dirs + args.persistent)
-    steps = inv.steps()
+    steps = every = inv.steps()
     if args.step is not None:
         steps = {k: v for k, v in steps.items() if k[1] == args.step}
     problems = [text for job, step, text in inv.problems if args.step is None or step == args.step]
     if not steps and not problems:
         what = f"step {args.step}" if args.step is not None else "checkpoints"
-        line(out, "[red]FAULT:[/]", f"no {what} found under {where}")
+        there = sorted({s for _, s in every})
+        held = f" (it holds step{'s' if len(there) != 1 else ''} {', '.join(map(str, there))})" if there else ""
+        line(out, "[red]FAULT:[/]", f"no {what} found under {where}{held}")
         return 1
     copies = [c for ranks in steps.values() for cs in ranks.values() for c in cs]
     results = check_copies(copies, err)
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         line(out, "[dim]info:[/]", f"{note.path}: {note.what} (not a fault)")
     corrupt = sum(1 for c in copies if results[id(c)] is not None)
     verdict = "[red]FAILED[/]" if faults else "[green]OK[/]"
-    out.print(f"{verdict}: {len(copies)} copies checked, {corrupt} corrupt, {len(steps)} step{'s' if len(steps) != 1 else ''}, {incomplete} incomplete, "
+    out.print(f"{verdict}: {len(copies)} cop{'y' if len(copies) == 1 else 'ies'} checked, {corrupt} corrupt, {len(steps)} step{'s' if len(steps) != 1 else ''}, {incomplete} incomplete, "
               f"{len(faults)} fault{'s' if len(faults) != 1 else ''}, {len(inv.notes)} info")
     return 1 if faults else 0
 
