@@ -116,6 +116,10 @@ class Checkpointer(SavePipeline):
             if self._job_derived:
                 log.info("incluster: job %r (derived from the launch; pass job= or set INCLUSTER_JOB to "
                          "name it, e.g. to resume it from another launch)", self.config.job)
+        if self.world_size == 1 and isinstance(options.get("replicas"), int) and options["replicas"] > 0:
+            log.warning("incluster: replicas=%d asked for, but this job is one process: there is no other node to "
+                        "hold a copy, so its checkpoints live in this node's RAM only (add persistent= for a copy "
+                        "that outlives the node)", options["replicas"])
         os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
         _refuse_links(os.path.dirname(self.folder), self.folder)
         reserve.ensure(reserve.reserve_path(os.path.dirname(self.folder), self.rank))  # see reserve.py

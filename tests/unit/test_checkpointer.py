@@ -385,3 +385,13 @@ def test_a_misspelt_or_mistyped_option_is_refused_naming_the_fix(local_dir):
         incluster.Checkpointer(local_dirs=local_dir)
     with pytest.raises(TypeError, match=r"local_dir must be a path \(str or os.PathLike\), not int"):
         incluster.Checkpointer(local_dir=123)
+
+
+def test_a_replica_asked_for_in_a_one_process_job_is_said_to_be_impossible(local_dir, caplog):
+    caplog.set_level(logging.WARNING, logger="incluster")
+    with incluster.Checkpointer(local_dir=local_dir, job="solo", writer="thread"):
+        pass  # the default asks for nothing in particular: quiet
+    assert not [r for r in caplog.records if "no other node" in r.getMessage()]
+    with incluster.Checkpointer(local_dir=local_dir, job="solo", writer="thread", replicas=1):
+        pass
+    assert [r for r in caplog.records if "replicas=1 asked for, but this job is one process" in r.getMessage()]
