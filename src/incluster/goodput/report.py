@@ -272,7 +272,9 @@ def render(report: GoodputReport, console: Any = None) -> None:
     if report.truncated_files:
         head.add_row("torn last lines skipped", str(report.truncated_files))
     console.print(head)
-    bad = Table(title="badput (mean over ranks)")
+    bad = Table(title="badput (mean over ranks)",
+                caption="restart: from a process's last event to its successor's first (relaunch, imports, "
+                        "process group, model build); the restore itself is checkpoint load", caption_justify="left")
     for col in ("category", "seconds", "% of wall"):
         bad.add_column(col, justify="left" if col == "category" else "right")
     for k in CATEGORIES:
@@ -292,7 +294,8 @@ def render(report: GoodputReport, console: Any = None) -> None:
                _fmt(c.load_p50_s), _fmt(c.load_p99_s))
     console.print(st)
     if c.load_sources:
-        srcs = ", ".join(f"{k}: {v}" for k, v in sorted(c.load_sources.items()))
+        named = {"none": "nothing to restore (a fresh start)"}
+        srcs = ", ".join(f"{named.get(k, k)}: {v}" for k, v in sorted(c.load_sources.items()))
         console.print(f"loads by source: {srcs}")
 
 
