@@ -64,9 +64,9 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _close_at_exit(ckpt: "Checkpointer") -> None:
-    """A script that ends without ``close()`` must not lose the save it just made: at
-    interpreter exit - before the thread pools shut down, which would leave a staged save
-    no way to reach its writer - the Checkpointer drains what is in flight, and says so.
+    """A script that ends without ``close()`` must not lose the save it just made (it did,
+    without a word): at interpreter exit, before the thread pools' own exit hooks shut
+    them down, the Checkpointer drains what is in flight, and says so.
     Holds the Checkpointer weakly: one that was dropped or closed, or has nothing in
     flight, is not touched."""
     ref = weakref.ref(ckpt)
