@@ -272,14 +272,14 @@ def render(report: GoodputReport, console: Any = None) -> None:
     if report.truncated_files:
         head.add_row("torn last lines skipped", str(report.truncated_files))
     console.print(head)
-    bad = Table(title="badput (mean over ranks)",
-                caption="restart: from a process's last event to its successor's first (relaunch, imports, "
-                        "process group, model build); the restore itself is checkpoint load", caption_justify="left")
+    bad = Table(title="badput (mean over ranks)")
     for col in ("category", "seconds", "% of wall"):
         bad.add_column(col, justify="left" if col == "category" else "right")
     for k in CATEGORIES:
         bad.add_row(k.replace("_", " "), f"{report.badput_s[k]:.2f}", f"{report.badput_pct[k]:.2f}")
     console.print(bad)
+    console.print("restart: from a process's last event to its successor's first (relaunch, imports, process "
+                  "group, model build); the restore itself is checkpoint load", style="dim")
     c = report.checkpoints
     st = Table(title="checkpoints")
     for col in ("metric", "count", "p50", "p99"):
