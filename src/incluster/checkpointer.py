@@ -86,12 +86,10 @@ def _close_at_exit(ckpt: "Checkpointer") -> None:
         except Exception as exc:  # noqa: BLE001 - exiting anyway; say what was lost
             log.warning("incluster: rank %d: saves in flight at exit did not complete: %s", c.rank, exc)
 
-    register = getattr(threading, "_register_atexit", None)  # runs before the pools' own exit hooks
+    register = getattr(threading, "_register_atexit", atexit.register)  # before the pools' own exit hooks
     try:
-        if register is None:
-            raise RuntimeError
         register(drain)
-    except RuntimeError:  # no such hook, or the interpreter is exiting already
+    except RuntimeError:  # the interpreter is exiting already
         atexit.register(drain)
 
 

@@ -122,10 +122,14 @@ def check_names(options: Mapping[str, Any], where: str) -> None:
             raise TypeError(f"{where} got an unknown option {name!r}{hint}")
 
 
-def _path(name: str, value: Any) -> Any:
+def _path(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (str or os.PathLike), not {type(value).__name__} {value!r}")
-    return value
+
+
+def default_local_dir() -> str:
+    """This node's RAM folder when ``local_dir`` is not given."""
+    return os.environ.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR
 
 
 def resolve(
@@ -156,7 +160,7 @@ def resolve(
     _path("run_dir", run_dir)
     rd = run_dir if run_dir is not None else env.get("INCLUSTER_RUN_DIR")
     return Config(
-        local_dir=os.path.abspath(os.fspath(local_dir or env.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR)),
+        local_dir=os.path.abspath(os.fspath(local_dir or default_local_dir())),
         job=job or env.get("INCLUSTER_JOB") or default_job(),
         node=node or env.get("INCLUSTER_NODE") or socket.gethostname(),
         keep=keep,

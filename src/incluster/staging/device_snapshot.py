@@ -185,7 +185,7 @@ def warm(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any) -> None:
             for a, b in zip(dst, src):
                 a.copy_(b)
         for i, into in plan.inside.items():
-            torch.empty_like(into).copy_(tensors[i].detach().clone())
+            torch.empty_like(into).copy_(tensors[i].detach())
         ev = torch.cuda.Event()
         ev.record(stream)
     ev.synchronize()

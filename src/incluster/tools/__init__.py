@@ -9,7 +9,6 @@ each sets ``func(args) -> int`` (0: all good; 1: a fault was found; 2: bad argum
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, Callable
 
 __all__ = ["register"]
@@ -55,9 +54,9 @@ def _here_by_default(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
 
     def with_dirs(args: argparse.Namespace) -> int:
         if not args.dirs and not args.persistent:
-            from incluster.config import DEFAULT_LOCAL_DIR
+            from incluster.config import default_local_dir
 
-            args.dirs = [os.environ.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR]
+            args.dirs = [default_local_dir()]
         return run(args)
 
     return with_dirs

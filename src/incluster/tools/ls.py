@@ -42,11 +42,11 @@ def status(ranks: dict[int, list[Copy]]) -> tuple[bool, str]:
     return True, f"complete ({bad} unreadable sidecar{'s' if bad != 1 else ''})" if bad else "complete"
 
 
-def table(inv: Inventory) -> Table:
+def table(inv: Inventory, any_shared: bool) -> Table:
     """One row per step; the "shared" column only when some copy is shared. Fits an
     80-column terminal: no vertical rules, figures never cut, words wrap whole (a long job
     name folds), nothing ends in "..."."""
-    rows, any_shared = [], False
+    rows = []
     for (job, step), ranks in inv.steps().items():
         w, _ = world_size(ranks)
         present = sum(1 for cs in ranks.values() if any(c.sidecar for c in cs))
@@ -55,7 +55,6 @@ def table(inv: Inventory) -> Table:
         tiers = sorted({c.tier for c in copies}, key=["ram", "replica", "persistent"].index)
         one = sum(next((c.nbytes for c in cs if c.sidecar), 0) for cs in ranks.values())
         shared = sum(1 for c in copies if c.shared)
-        any_shared = any_shared or shared > 0
         complete, words = status(ranks)
         rows.append({"job": job, "step": str(step), "ranks": f"{present}/{w if w is not None else '?'}",
                      "copies": str(len(copies)), "shared": str(shared), "nodes": ", ".join(nodes) or "-",
@@ -83,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if not inv.copies:
         out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}", markup=False)
     else:
-        out.print(table(inv))
         shared = any(c.shared for c in inv.copies)
+        out.print(table(inv, shared))
         out.print("size: one copy of every rank; stored: every copy in every tier"
                   + ("; shared: replicas whose bytes are a data-parallel peer's identical shard on the same node "
                      "(stored once)" if shared else ""), style="dim")
