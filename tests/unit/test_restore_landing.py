@@ -195,11 +195,46 @@ def test_bounce_pipeline_lands_bitwise_and_finds_a_bad_byte(tmp_path, monkeypatc
         if corrupt:
             with pytest.raises(CorruptCheckpointError):
                 read_verified(fd, landing, expected, str(path), workers=3, bounce_cpu=True)
-            return
-        read_verified(fd, landing, expected, str(path), workers=3, bounce_cpu=True)
+        else:
+            read_verified(fd, landing, expected, str(path), workers=3, bounce_cpu=True)
     finally:
         os.close(fd)
-    assert dl._pools and all(p.size == 3000 for p in dl._pools.values())
+    (pool,) = dl._pools.values()
+    # bounded (two per reader, made as needed), and a failed read loses none of them:
+    # a pool short of buffers would hang the process's next restore
+    assert pool.size == 3000 and 1 <= len(pool.bufs) <= 6
+    assert pool._free.qsize() == len(pool.bufs)
+    if corrupt:
+        return
     load_into(live, flat.tree, landing.fetch, placed=landing.placed)
     for k, v in saved.items():
         assert torch.equal(live[k], v), k
+
+
+def test_bounce_pool_grows_only_as_readers_need_buffers(tmp_path, monkeypatch):
+    """Page-locked memory is slow to allocate, so a restore must not make its whole pool
+    up front: one reader cycling through a shard of many buffers' worth reuses one buffer;
+    a later restore in the process reuses the pool."""
+    import incluster.recovery.device_landing as dl
+
+    monkeypatch.setattr(dl, "BOUNCE", 4096)
+    monkeypatch.setattr(dl, "_pools", {})
+    saved = {"a": torch.randn(40_000), "b": torch.randn(9_000)}
+    data, flat = _shard(saved)
+    expected = compute(data, chunk=1 << 16)
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    for _ in range(2):
+        live = {k: torch.zeros_like(v) for k, v in saved.items()}
+        header = parse_header(data, len(data))
+        landing = Landing(header, segments(header, big=1), direct_targets(live, flat.tree, header,
+                                                                          allow_pickle=False, big=1))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            read_verified(fd, landing, expected, str(path), workers=1, bounce_cpu=True)
+        finally:
+            os.close(fd)
+        load_into(live, flat.tree, landing.fetch, placed=landing.placed)
+        assert all(torch.equal(live[k], v) for k, v in saved.items())
+        (pool,) = dl._pools.values()
+        assert len(data) > 40 * pool.size and pool.count == 2 and len(pool.bufs) == 1

@@ -3,9 +3,13 @@
 A local restore reads each piece of the shard into a page-locked bounce buffer, hashes
 it while it is in the cache, and enqueues a non-blocking host-to-device copy into the live
 tensor on the buffer's own stream; the next piece goes to another buffer meanwhile. A
-buffer is reused once its copy's event has fired, so host memory stays at
-``count x size`` (allocated once per process and device) whatever the state's size, and
-no pageable copy or second full copy of the state is ever made.
+buffer is reused once its copy's event has fired, so host memory stays at most
+``count x size`` whatever the state's size, and no pageable copy or second full copy of
+the state is ever made. Page-locked memory is slow to allocate (0.4-0.66 s per GiB on
+the H200 host, ``pinned_alloc_s`` in ``docs/measured/gpu-h200*.json``): a pool made whole
+before the first read put 512 MiB of it on the restore's path (the first restore of a
+process took 410 / 747 ms, the next 235 / 290 ms). So buffers are small and made only
+when a reader finds none free; the pool is kept for the process's later restores.
 
 Used by :func:`incluster.recovery.landing.read_verified` for segments whose target is a
 CUDA tensor; CPU-only runs never import CUDA through it. The same pipeline runs with a
@@ -20,7 +24,9 @@ from typing import Any
 
 import torch
 
-BOUNCE = 16 << 20  # bytes per bounce buffer: large enough to run the link at full speed
+# Bytes per bounce buffer: ~75 us of PCIe at 55 GB/s per copy, far above a copy's fixed
+# cost of a few microseconds; small, so allocating one holds a reader up ~2 ms, not ~10.
+BOUNCE = 4 << 20
 
 
 class _Buf:
@@ -35,18 +41,36 @@ class _Buf:
 
 
 class Bounce:
-    """``count`` page-locked buffers of ``size`` bytes for copies into ``device``."""
+    """Up to ``count`` page-locked buffers of ``size`` bytes for copies into ``device``,
+    each made the first time a reader finds no buffer free."""
 
     def __init__(self, device: torch.device, count: int, size: int | None = None) -> None:
-        self.device, self.size = device, size or BOUNCE
-        self.bufs = [_Buf(self.size, device) for _ in range(count)]
+        self.device, self.size, self.count = device, size or BOUNCE, max(1, count)
+        self.bufs: list[_Buf] = []
         self._free: "queue.SimpleQueue[_Buf]" = queue.SimpleQueue()
-        for b in self.bufs:
-            self._free.put(b)
+        self._lock = threading.Lock()
+        self._made = 0  # buffers made or being made (allocation runs outside the lock)
 
     def take(self) -> _Buf:
-        """A buffer whose previous copy has finished (waits for one if all are busy)."""
-        b = self._free.get()
+        """A buffer whose previous copy has finished: a free one, else a new one while
+        fewer than ``count`` exist, else the next one handed back (waits for it)."""
+        try:
+            b = self._free.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                grow = self._made < self.count
+                self._made += grow
+            if not grow:
+                b = self._free.get()
+            else:
+                try:
+                    b = _Buf(self.size, self.device)
+                except BaseException:
+                    with self._lock:
+                        self._made -= 1
+                    raise
+                with self._lock:
+                    self.bufs.append(b)
         if b.event is not None:
             b.event.synchronize()
             b.event = None
@@ -55,18 +79,26 @@ class Bounce:
     def send(self, b: _Buf, n: int, dest: torch.Tensor) -> None:
         """Copy the first ``n`` bytes of ``b`` into ``dest`` (uint8, ``n`` bytes) without
         waiting; ``b`` goes back to the pool and is handed out again once the copy is done."""
-        if b.stream is None:
-            dest.copy_(b.host[:n])
-        else:
-            with torch.cuda.stream(b.stream):
-                dest.copy_(b.host[:n], non_blocking=True)
-                b.event = torch.cuda.Event()
-                b.event.record(b.stream)
+        try:
+            if b.stream is None:
+                dest.copy_(b.host[:n])
+            else:
+                with torch.cuda.stream(b.stream):
+                    dest.copy_(b.host[:n], non_blocking=True)
+                    b.event = torch.cuda.Event()
+                    b.event.record(b.stream)
+        finally:
+            self._free.put(b)
+
+    def give_back(self, b: _Buf) -> None:
+        """Return a buffer taken but not sent (its reader failed): never lost to the pool."""
         self._free.put(b)
 
     def finish(self) -> None:
         """Every copy sent so far has landed."""
-        for b in self.bufs:
+        with self._lock:
+            bufs = list(self.bufs)
+        for b in bufs:
             ev = b.event
             if ev is not None:
                 ev.synchronize()
@@ -77,7 +109,7 @@ _lock = threading.Lock()
 
 
 def bounce_for(device: torch.device, workers: int) -> Bounce:
-    """The process's pool for ``device``: two buffers per reading thread, made once."""
+    """The process's pool for ``device``: up to two buffers per reading thread."""
     key = (device.type, device.index, workers)
     with _lock:
         pool = _pools.get(key)

@@ -216,10 +216,14 @@ def _through(bounce: Any, fd: int, pos: int, end: int, seg: Segment, dest: torch
         b = bounce.take()
         n = min(end - pos, bounce.size)
         at = 0
-        while at < n:
-            piece = b.view[at : min(n, at + PIECE)]
-            _pread_full(fd, piece, pos + at, where)
-            v.update(piece)
-            at += piece.nbytes
+        try:
+            while at < n:
+                piece = b.view[at : min(n, at + PIECE)]
+                _pread_full(fd, piece, pos + at, where)
+                v.update(piece)
+                at += piece.nbytes
+        except BaseException:
+            bounce.give_back(b)  # a pool that lost its buffers would hang the next restore
+            raise
         bounce.send(b, n, dest[pos - seg.offset : pos - seg.offset + n])
         pos += n
