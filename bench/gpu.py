@@ -22,7 +22,11 @@ model from the same seed and runs 2 warm-up steps first. In this order:
              the pinned RAM-disk slot), ``prepare(state)`` after the warm-up, a save right
              after ``zero_grad`` every 10 steps; per save the handle's blocked / staged /
              durable seconds (from save()), medians without the first save, also as
-             multiples of floors (b) and (a); step inflation against the baseline
+             multiples of floors (b) and (a); durable also from the moment the GPU had
+             done the work queued before save() (an event waited on by a thread: a
+             compute-bound loop calls save() with most of a step still queued, and no
+             checkpoint of that state can start earlier); step inflation against the
+             baseline
   restore    (after the last every-10 incluster run, gpu_snapshot=0) a final save waited
              for, the state cloned on the device, the live tensors scrambled, then a new
              Checkpointer ``load``s it (2x): seconds, x floor (c), bitwise check
@@ -76,9 +80,13 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import RAM_DISK, log, machine_info, median, scratch_dir  # noqa: E402 - bench/ is not a package
 from gpu_dcp import run_dcp_config  # noqa: E402
-from gpu_loop import (WAIT_S, build, named_tensors, run_floors, run_steps, same_bits, scramble,  # noqa: E402
-                      sync, warm_up)
+from gpu_loop import (WAIT_S, ReadyWatch, build, named_tensors, run_floors, run_steps, same_bits,  # noqa: E402
+                      scramble, sync, warm_up)
 from gpu_report import config_name, loop_summary, render, save_summary, step_stats, write_json  # noqa: E402
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def elapsed() -> float:
@@ -145,9 +153,14 @@ def run_incluster(args: argparse.Namespace, report: dict[str, Any], kind: str, t
                 res["gpu_drain_in_writer"] = ckpt.gpu_drain_in_writer
             handles: list[tuple[int, Any]] = []
             times: list[float] = []
+            watch = ReadyWatch(args)
+
+            def save(i: int) -> None:
+                watch.mark(i)
+                handles.append((i, ckpt.save(args.warmup + i, state)))
+
             try:  # a failing save keeps the saves and steps before it
-                run_steps(args, model, optim, x, args.steps, set(range(0, args.steps, every)),
-                          lambda i: handles.append((i, ckpt.save(args.warmup + i, state))), times=times)
+                run_steps(args, model, optim, x, args.steps, set(range(0, args.steps, every)), save, times=times)
                 t0 = time.perf_counter()
                 ckpt.wait(WAIT_S)
                 res["wait_end_s"] = time.perf_counter() - t0
@@ -157,9 +170,11 @@ def run_incluster(args: argparse.Namespace, report: dict[str, Any], kind: str, t
                 restore = False
             res["gpu_snapshot_active"] = getattr(ckpt, "gpu_snapshot_active", None)
             res["steps_s"] = times
-            res["saves"] = [{"i": i, "step": h.step, "blocked_s": h.blocked_s, "staged_s": h.staged_s,
-                             "drained_s": getattr(h, "drained_s", None), "committed_s": getattr(h, "committed_s", None),
-                             "durable_s": h.durable_s} for i, h in handles]
+            ready = watch.close()
+            res["saves"] = [{"i": i, "step": h.step, "ready_s": ready.get(i), "blocked_s": h.blocked_s,
+                             "staged_s": h.staged_s, "drained_s": getattr(h, "drained_s", None),
+                             "committed_s": getattr(h, "committed_s", None), "durable_s": h.durable_s,
+                             "durable_after_ready_s": _minus(h.durable_s, ready.get(i))} for i, h in handles]
             res["saves_summary"] = save_summary(res["saves"], report.get("floors") or {})
             base = ((report["baseline"].get(kind) or {}).get("stats") or {}).get("mean_s")
             res["loop"] = loop_summary(times, [i for i, _ in handles], base)

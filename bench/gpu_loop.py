@@ -63,6 +63,45 @@ def run_steps(args: argparse.Namespace, model: Any, optim: Any, x: torch.Tensor,
     return times
 
 
+class ReadyWatch:
+    """When the GPU has done the work enqueued before each ``save()`` - the earliest any
+    checkpoint of that state can start - in seconds from the call: a thread waits on an
+    event recorded right before it. ``durable_s`` minus this is the checkpoint's own path,
+    without the wait for the step the host ran ahead of (a compute-bound loop calls
+    ``save()`` with most of a step still queued). CPU: ready at once (0)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import queue
+        import threading
+
+        self.cuda = args.dev == "cuda"
+        self.ready: dict[int, float] = {}
+        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name="bench-ready", daemon=True)
+        if self.cuda:
+            self._t.start()
+
+    def mark(self, i: int) -> None:
+        if not self.cuda:
+            self.ready[i] = 0.0
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self._q.put((i, ev, time.perf_counter()))
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            i, ev, t0 = item
+            ev.synchronize()  # releases the GIL
+            self.ready[i] = time.perf_counter() - t0
+
+    def close(self) -> dict[int, float]:
+        if self.cuda:
+            self._q.put(None)
+            self._t.join(WAIT_S)
+        return self.ready
+
+
 def warm_up(args: argparse.Namespace, model: Any, optim: Any, x: torch.Tensor) -> None:
     for _ in range(args.warmup):
         train_step(args, model, optim, x)

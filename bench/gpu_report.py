@@ -60,13 +60,13 @@ def save_summary(saves: list[dict[str, Any]], floors: dict[str, Any]) -> dict[st
     """Medians over the saves without the first; ratios to floors (b) and (a)."""
     rest = saves[1:] or saves
     out: dict[str, Any] = {"saves": len(saves)}
-    for key in ("blocked_s", "staged_s", "drained_s", "committed_s", "durable_s"):
+    for key in ("ready_s", "blocked_s", "staged_s", "drained_s", "committed_s", "durable_s", "durable_after_ready_s"):
         out[f"{key[:-2]}_median_s"] = median([s.get(key) for s in rest])
         out[f"{key[:-2]}_first_s"] = saves[0].get(key) if saves else None
         out[f"{key[:-2]}_max_s"] = max((s[key] for s in rest if s.get(key) is not None), default=None)
     for fkey, tag in (("d2h_registered_shm", "b"), ("d2h_pinned", "a")):
         f = (floors.get(fkey) or {}).get("s")
-        for key in ("staged", "durable"):
+        for key in ("staged", "durable", "durable_after_ready"):
             v = out[f"{key}_median_s"]
             out[f"{key}_x_floor_{tag}"] = v / f if v is not None and f else None
     return out
@@ -109,7 +109,7 @@ def _cell(cfg: dict[str, Any] | None, what: str) -> str:
     sv, lp = cfg.get("saves_summary") or {}, cfg.get("loop") or {}
     if what == "blocked":
         return f"{ms(sv.get('blocked_median_s'), 2)} (1st {ms(sv.get('blocked_first_s'), 2)})"
-    if what in ("staged", "durable"):
+    if what in ("staged", "durable", "durable_after_ready"):
         v = sv.get(f"{what}_median_s")
         if v is None:
             return "—"
@@ -156,6 +156,7 @@ def table(report: dict[str, Any]) -> str:
                 ("blocked", "save() blocked, ms median (1st)"),
                 ("staged", "staged, ms median (x floor b, a)"),
                 ("durable", "durable, ms median (x floor b, a)"),
+                ("durable_after_ready", "durable after the GPU reached save(), ms (x floor b, a)"),
                 ("inflation", "step inflation mean / max ms"),
                 ("after", "saving step / step after, mean ms"),
             ):
