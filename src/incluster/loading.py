@@ -1,0 +1,148 @@
+"""The load half of :class:`~incluster.checkpointer.Checkpointer`: restore the newest
+step every rank can verify (``recovery/restore.py``), then - in the background, behind the
+optimizer pre-step hook - heal this node's copy, re-send replicas and get the slots ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Mapping
+
+from incluster import wiring
+from incluster.config import Config
+from incluster.errors import CheckpointError
+from incluster.goodput import events as ev
+from incluster.recovery.heal import changing_pointers
+from incluster.recovery.restore import Context as RestoreContext
+from incluster.recovery.restore import RestoreReport, restore
+from incluster.staging.slots import SlotRing
+from incluster.state import snapshot
+from incluster.testing import faults
+
+log = logging.getLogger("incluster")
+
+
+class LoadPipeline:
+    """Mixin of :class:`~incluster.checkpointer.Checkpointer`: ``load()`` and what it
+    leaves running in the background."""
+
+    config: Config
+    rank: int
+    world_size: int
+    folder: str
+    ring: SlotRing
+    events: Any
+    replica_targets: Any
+    last_restore: RestoreReport | None
+    _lock: threading.Lock
+    _stage_pool: Any
+    _healing: "Future[None] | None"
+    _old_world: int | None
+    _highest: int
+    _job_derived: bool
+    # the Checkpointer's own (and SavePipeline's) methods this half calls
+    wait: Callable[..., None]
+    _check_usable: Callable[[], None]
+    _live_writer: Callable[[], Any]
+    _prepare: Callable[..., None]
+
+    def load(self, state: Mapping[str, Any]) -> int | None:
+        """Restore the newest step that every rank can get a verified copy of - from its
+        own node, a peer's RAM, or (later) the persistent tier - into ``state`` in place.
+        Returns the step, or None when nothing was saved. Collective: every rank calls it.
+        The decision is kept in ``last_restore`` and logged in one line per rank."""
+        self._check_usable()
+        self.wait()
+        ctx = RestoreContext(
+            local_dir=self.config.local_dir,
+            job=self.config.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            node=self.config.node,
+            ring=self.ring,
+            allow_pickle=self.config.allow_pickle,
+            timeout_s=self.config.slot_timeout_s,
+            persistent=wiring.persistent_tier(self.config),
+            rank_state=self.config.reshard_rank_state,
+        )
+        report = restore(ctx, state)
+        self.last_restore = report
+        heal = ctx.heal
+        log.info("%s", report.line())
+        if report.step is None and self.rank == 0 and self._job_derived:
+            log.warning("incluster: nothing to restore for job %r, a name derived from this launch (a "
+                        "relaunch with a new run id or port gets a new one); if this run should resume "
+                        "an earlier one, pass job= or set INCLUSTER_JOB", self.config.job)
+        self.events.record(
+            ev.LOAD, step=report.step, source=report.source, bytes=report.bytes, seconds=report.seconds
+        )
+        if report.source == "reshard":
+            self._old_world = report.old_world
+        if report.step is not None:
+            self.ring.reset_to(report.step)
+            self._highest = report.step
+            # A resharded step has no copy in this world's layout to replicate: the next save makes one.
+            replicate = bool(self.replica_targets or self.world_size > 1) and report.source != "reshard"
+            if heal is not None:
+                # The received copy is verified and in place; writing it into this node's
+                # RAM disk overlaps the next forward/backward, behind the pre-step hook.
+                heal.keep_apart(changing_pointers(state, heal.sidecar.tree, allow_pickle=self.config.allow_pickle))
+                self._healing = self._stage_pool.submit(self._heal, heal, report.step, replicate)
+            elif replicate:
+                self._replicate_restored(report.step)  # heal the replicas, in background
+            self._prepare_after_load(state)  # after the heal, which the next optimizer step waits for
+        # Nothing restored: the state is not read at all. Its state_dict() may have side
+        # effects (torch's get_optimizer_state_dict steps a fresh optimizer once to create
+        # its state), and a fresh optimizer's layout is not the one its first save will have.
+        return report.step
+
+    def _drop_old_world(self, durable: "Future[None]") -> None:
+        """After a resharding restore, once a step of this world is durable everywhere: the
+        folders of old ranks this world does not have hold only the old world's copies, which
+        no ring recycles. They go (each node's RAM gets them back)."""
+        if durable.cancelled() or durable.exception() is not None or self._old_world is None:
+            return
+        old, self._old_world = self._old_world, None
+        base = os.path.join(self.config.local_dir, self.config.job)
+        for owner in range(self.world_size, old):
+            shutil.rmtree(os.path.join(base, f"rank-{owner:05d}"), ignore_errors=True)
+        log.info("incluster: rank %d: the old world's copies of ranks %d..%d are dropped from this node", self.rank,
+                 self.world_size, old - 1)
+
+    def _heal(self, heal: Any, step: int, replicate: bool) -> None:
+        """Staging thread, after a peer restore: commit this node's copy, then re-send replicas."""
+        t0 = time.perf_counter()
+        try:
+            faults.check("heal", self.rank, step)
+            heal.heal()
+        except BaseException as exc:  # noqa: BLE001 - the restore itself succeeded; peers still hold copies
+            heal.abandon()
+            log.warning("incluster: rank %d could not write its node's copy of step %d (%s); its replicas "
+                        "elsewhere still hold it, and the next save is written as usual", self.rank, step, exc)
+            if replicate:
+                self._replicate_restored(step)  # sends nothing, but partners re-sending wait for every rank
+            return
+        log.info("incluster: rank %d healed its node's copy of step %d in %.3f s", self.rank, step, time.perf_counter() - t0)
+        if replicate:
+            self._replicate_restored(step)
+
+    def _replicate_restored(self, step: int) -> None:
+        try:
+            self._live_writer().replicate(self.folder, step)
+        except CheckpointError as exc:  # the next save replicates anyway, and reports the writer
+            log.warning("incluster: rank %d could not re-send the replicas of step %d: %s", self.rank, step, exc)
+
+    def _prepare_after_load(self, state: Mapping[str, Any]) -> None:
+        """The slot files for a state of this shape are made in the background now, so
+        the first save does not allocate them (a state that grows at its first optimizer
+        step is re-made after the save that shows it). Never fails the load."""
+        try:
+            snap, _, _ = snapshot(state, allow_pickle=self.config.allow_pickle)
+            self._stage_pool.submit(self._prepare, snap, False)
+        except Exception as exc:  # noqa: BLE001 - an optimisation only; save() reports real problems
+            log.debug("incluster: slots not prepared after load: %s", exc)
