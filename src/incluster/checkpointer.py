@@ -123,6 +123,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         slots = self.config.keep + (1 if self.config.persistent else 0)
         self.ring = SlotRing(self.folder, slots, on_map=self._on_map, on_unmap=self._on_unmap)
         self._uploads: dict[int, tuple[Slot, SaveHandle]] = {}
+        self._early_persisted: dict[int, str | None] = {}  # upload outcomes told before the commit was handled
         self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
         self._store_server, address, targets, sources = wiring.start_store(self.config, self.rank, self.world_size)
         self._store_address = address

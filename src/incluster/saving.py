@@ -32,6 +32,8 @@ from incluster.writer.protocol import WriterParams
 
 log = logging.getLogger("incluster")
 MAX_WRITER_RESTARTS = 3  # per Checkpointer: a writer that keeps dying has a cause to find
+EARLY_WORDS = 64  # upload outcomes kept for saves whose commit is not handled yet
+_NO_WORD = object()
 
 
 _spawn_pool: ThreadPoolExecutor | None = None
@@ -63,6 +65,7 @@ class SavePipeline:
     _writer: Writer
     _lock: threading.Lock
     _uploads: dict[int, tuple[Slot, SaveHandle]]
+    _early_persisted: dict[int, str | None]
     _errors: list[tuple[SaveHandle, BaseException]]
     _warned_warm: bool
     _writer_params: WriterParams
@@ -114,6 +117,9 @@ class SavePipeline:
             self._local_done(job, handle, f)  # always before the outcome is handled
             outcome.add_done_callback(lambda g: self._outcome(job, handle, g, writer))
 
+        # The writer may have committed, and even ended (or skipped) the step's upload,
+        # before this line: _persisted keeps such an early word for _local_done.
+        faults.check("handoff", self.rank, job.step)
         local.add_done_callback(on_local)
         # Right after each save is handed to the writer, on this thread: the other slots are
         # ready (sized, mapped, page-locked) before the next save takes one.
@@ -124,9 +130,13 @@ class SavePipeline:
         if fut.exception() is None:
             path, persist = fut.result()
             if persist:
-                with self._lock:
-                    self._uploads[job.step] = (job.slot, handle)
-                self.ring.set_uploading(job.slot, True)
+                with self._lock:  # pinned and unpinned under this lock: never pinned after its upload ended
+                    early = self._early_persisted.pop(job.step, _NO_WORD)
+                    if early is _NO_WORD:
+                        self._uploads[job.step] = (job.slot, handle)
+                        self.ring.set_uploading(job.slot, True)
+                if early is not _NO_WORD:
+                    self._report_persisted(job.step, handle, early)  # type: ignore[arg-type]
             else:
                 handle.persisted.set_result(False)
             self.ring.mark_committed(job.slot, job.step, path)
@@ -151,13 +161,21 @@ class SavePipeline:
         handle.durable.set_result(None)
 
     def _persisted(self, step: int, err: str | None) -> None:
-        """The writer finished (or skipped) a persistent upload: unpin its slot, report."""
+        """The writer finished (or skipped) a persistent upload: unpin its slot, report.
+        Its word may come before the step's commit was handled here (a skip is told right
+        after the commit): it is then kept for ``_local_done``."""
         with self._lock:
             slot, handle = self._uploads.pop(step, (None, None))
-        if slot is not None:
-            self.ring.set_uploading(slot, False)
-        if handle is None:
-            return
+            if slot is not None:
+                self.ring.set_uploading(slot, False)
+            elif step not in self._early_persisted:
+                self._early_persisted[step] = err
+                while len(self._early_persisted) > EARLY_WORDS:  # words no save claimed: the oldest go
+                    self._early_persisted.pop(min(self._early_persisted))
+        if handle is not None:
+            self._report_persisted(step, handle, err)
+
+    def _report_persisted(self, step: int, handle: SaveHandle, err: str | None) -> None:
         if err is None:
             self.events.record(ev.DURABLE, step=step, tier="persistent", seconds=time.perf_counter() - handle.started)
             handle.persisted.set_result(True)

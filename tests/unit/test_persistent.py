@@ -162,3 +162,24 @@ def test_the_upload_schedule_follows_save_calls_not_commits(local_dir, tmp_path,
     # save() calls 0, 2, 4 are due; the commit of 2 failed, so 0 and 4 are uploaded
     assert persisted == {0: True, 1: False, 2: False, 3: False, 4: True, 5: False}
     assert _manifests(root) == ["step-000000000000", "step-000000000004"]
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_an_upload_outcome_told_before_the_commit_is_handled_is_not_lost(local_dir, tmp_path, monkeypatch, writer):
+    """The writer tells "skipped" right after the commit, so the word can arrive before the
+    trainer listens for the step's outcomes. It must still resolve ``persisted`` and leave
+    the slot free: a slot pinned as uploading for good made every later save wait."""
+    faults = FaultInjector().fail_at(phase="upload", step=0, action="slow", seconds=3.0)
+    faults.fail_at(phase="handoff", step=1, action="slow", seconds=1.0)  # the writer's replies come first
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    root = str(tmp_path / "persist")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer=writer, persistent=root, persistent_every=1) as ck:
+        first = ck.save(0, _state(0.0))
+        first.wait()
+        second = ck.save(1, _state(1.0))  # due while step 0 is still uploading: skipped
+        second.wait()
+        assert second.persisted.result(10) is False
+        assert not [s for s in ck.ring.slots if s.step == 1 and s.uploading]
+        assert first.persisted.result(30) is True
+        for step in (2, 3, 4):  # the ring keeps turning (keep=2: a pinned slot would stop it)
+            ck.save(step, _state(float(step))).wait(30)

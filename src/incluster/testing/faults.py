@@ -11,7 +11,9 @@ the checksum), ``sidecar`` (writer, after the rename, before the commit record),
 shard's upload, before its sidecar and the manifest), ``load-transfer`` (every rank,
 after the copies are verified, before a restore moves or loads bytes; ``load`` is the
 same), ``allocate`` (creating or growing a slot file, at the ``fallocate`` call),
-``heal`` (trainer, staging thread, before a peer restore's copy is written to its node).
+``heal`` (trainer, staging thread, before a peer restore's copy is written to its node),
+``handoff`` (trainer, staging thread, after the writer has the save, before the trainer
+listens for its outcomes: a ``slow`` fault lets the writer's replies come first).
 
 Actions: ``raise`` (an :class:`InjectedFault`), ``enospc`` (an ``OSError`` with
 ``ENOSPC``, as a full RAM disk gives), ``slow`` (sleep ``seconds``, 2 by default, then go on: widens a race, or plays a slow peer), ``kill`` (SIGKILL of the process at that instant),
@@ -30,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENV = "INCLUSTER_FAULTS"
-PHASES = ("stage", "commit", "sidecar", "replicate", "upload", "load-transfer", "load", "allocate", "heal")
+PHASES = ("stage", "commit", "sidecar", "replicate", "upload", "load-transfer", "load", "allocate", "heal", "handoff")
 _ALIASES = {"load": "load-transfer"}
 SLOW_S = 2.0
 ACTIONS = ("raise", "enospc", "slow", "kill", "hang")
