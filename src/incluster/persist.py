@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from incluster.commit import Coordinator
+from incluster.errors import TierUnavailableError
 from incluster.testing import faults
 from incluster.tiers.persistent import open_tier
 
@@ -54,18 +55,45 @@ class PersistParams:
 
 
 def manifested_steps(tier: Any, job: str) -> list[int]:
-    """Steps with a manifest, newest first. An unreachable tier has none (and says so):
-    a restore then goes on with what the cluster's RAM holds."""
-    out = []
+    """Steps with a manifest, newest first; an unreachable tier has none (and says so)."""
     try:
-        for name in tier.list(job):
-            m = _STEP.match(name)
-            if m and MANIFEST in tier.list(f"{job}/{name}"):
-                out.append(int(m.group(1)))
-    except OSError as exc:
-        log.warning("incluster: the persistent tier %r cannot be listed (%s); its steps are not considered", tier, exc)
+        return list_manifested(tier, job)
+    except TierUnavailableError as exc:
+        log.warning("incluster: %s; its steps are not considered", exc)
         return []
-    return sorted(out, reverse=True)
+
+
+def list_manifested(tier: Any, job: str, timeout: float | None = None) -> list[int]:
+    """Steps with a manifest, newest first. Raises TierUnavailableError when the tier
+    cannot be listed, or (``timeout``) does not answer in time: a hung object store is
+    left listing on a thread of its own."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out = []
+            for name in tier.list(job):
+                m = _STEP.match(name)
+                if m and MANIFEST in tier.list(f"{job}/{name}"):
+                    out.append(int(m.group(1)))
+            box["steps"] = sorted(out, reverse=True)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    if timeout is None:
+        run()
+    else:
+        t = threading.Thread(target=run, name="incluster-persist-list", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            raise TierUnavailableError(f"the persistent tier {tier!r} did not answer a listing within {timeout:.0f} s")
+    exc = box.get("error")
+    if isinstance(exc, OSError):
+        raise TierUnavailableError(f"the persistent tier {tier!r} cannot be listed ({exc})") from exc
+    if exc is not None:
+        raise exc
+    return box["steps"]  # type: ignore[no-any-return]
 
 
 class Uploader:

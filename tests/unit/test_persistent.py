@@ -183,3 +183,59 @@ def test_an_upload_outcome_told_before_the_commit_is_handled_is_not_lost(local_d
         assert first.persisted.result(30) is True
         for step in (2, 3, 4):  # the ring keeps turning (keep=2: a pinned slot would stop it)
             ck.save(step, _state(float(step))).wait(30)
+
+
+def test_a_persistent_restore_says_so_in_its_log_line(local_dir, tmp_path):
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(3))
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+        assert ck.load(_state(0.0)) == 2
+        assert "step 2 from the persistent tier," in ck.last_restore.line()
+
+
+def test_a_hung_persistent_tier_does_not_hold_up_a_restore_from_ram(local_dir, tmp_path, monkeypatch, caplog):
+    """A restart with a complete step in RAM does not wait out an object store that stopped
+    answering (its client's own timeouts came to 85 s against a stopped S3 server)."""
+    from incluster.recovery import from_persistent
+    from incluster.testing.tiers import SlowTier
+    from incluster.tiers.persistent import FsspecTier
+
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(3))
+    monkeypatch.setattr(from_persistent, "LIST_TIMEOUT_S", 0.5)
+    hung = SlowTier(FsspecTier(root), latency_s=30.0)
+    t0 = time.monotonic()
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=hung) as ck:
+        assert ck.load(_state(0.0)) == 2 and ck.last_restore.source == "local"
+    assert time.monotonic() - t0 < 15
+    assert "did not answer a listing within" in caplog.text and "from the cluster's RAM" in caplog.text
+
+
+def test_an_unreachable_persistent_tier_with_nothing_in_ram_is_an_error_not_a_fresh_start(local_dir, tmp_path):
+    """Starting afresh would overwrite progress the tier may well hold."""
+    from incluster.testing.tiers import FaultyTier
+    from incluster.tiers.persistent import FsspecTier
+
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(3))
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    down = FaultyTier(FsspecTier(root), ops=("list",))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=down) as ck:
+        with pytest.raises(incluster.TierUnavailableError, match="cannot be listed.*nothing is loaded.*persistent_options"):
+            ck.load(_state(0.0))
+
+
+def test_an_s3_endpoint_refusing_connections_is_a_tier_error_not_a_crash(local_dir, tmp_path):
+    """botocore reports a refused connection as its own EndpointConnectionError, not an
+    OSError: the restore must still go on from RAM, and the tools must say what failed."""
+    from incluster.testing.launch import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": dead, "region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread") as ck:
+        ck.save(0, _state(0.0)).wait()
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent="s3://bkt/run",
+                                persistent_options=opts) as ck:
+        assert ck.load(_state(1.0)) == 0 and ck.last_restore.source == "local"

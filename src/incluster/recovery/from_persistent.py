@@ -17,10 +17,11 @@ import json
 import logging
 from typing import Any
 
-from incluster.errors import CorruptCheckpointError
+from incluster.errors import CorruptCheckpointError, TierUnavailableError
 from incluster.recovery.plan import RankPlan
 
 log = logging.getLogger("incluster")
+LIST_TIMEOUT_S = 15.0  # how long a restore with a complete step in RAM waits for tier 2's listing
 
 
 def persistent_plan(
@@ -33,9 +34,22 @@ def persistent_plan(
     resharding plan's shared part goes into ``shared``."""
     if ctx.persistent is None:
         return None
-    from incluster.persist import MANIFEST, manifested_steps, step_dir
+    from incluster.persist import MANIFEST, list_manifested, step_dir
 
-    for step in manifested_steps(ctx.persistent, ctx.job):
+    try:
+        # With a complete step in RAM a hung object store is not waited for long.
+        steps = list_manifested(ctx.persistent, ctx.job, None if in_cluster is None else LIST_TIMEOUT_S)
+    except TierUnavailableError as exc:
+        if in_cluster is None:
+            raise TierUnavailableError(
+                f"{exc}, and no complete step is in the cluster's RAM: nothing is loaded, rather than "
+                f"starting afresh while the tier may hold this job's checkpoints. Fix the tier (its URL, "
+                f"endpoint or credentials: persistent_options), or leave persistent= out to start without it"
+            ) from None
+        log.warning("incluster: %s; step %d is restored from the cluster's RAM without knowing whether the "
+                    "persistent tier holds a newer one", exc, in_cluster)
+        return None
+    for step in steps:
         if in_cluster is not None and step <= in_cluster:
             return None
         if ("<persistent>", -1, step) in exclude:

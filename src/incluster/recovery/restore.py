@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import torch
 
-from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, TierUnavailableError
 from incluster.format.checksum import core_share
 from incluster.recovery.equivalent import SIDECAR_BAD
 from incluster.recovery.forward import forward_sidecars
@@ -78,6 +78,8 @@ class RestoreReport:
             src = "the cluster's RAM, resharded"
         elif self.source == "local":
             src = "its own node's RAM"
+        elif self.source == "persistent":
+            src = "the persistent tier"
         else:
             src = f"rank {self.source_rank} on node {self.source_node}"
         extra = f"; {'; '.join(self.notes)}" if self.notes else ""
@@ -148,6 +150,8 @@ class _Run:
             shared: dict[str, Any] = {}
             mine = _plan_round(ctx, gathered, self.exclude, self.extra, shared)
             if isinstance(mine, str):
+                if mine.startswith(TIER):  # not "nothing saved": a caller must not start afresh on it
+                    raise TierUnavailableError(mine[len(TIER):])
                 raise NoCheckpointError(mine)
             if self.loaded is not None and mine.step != self.loaded:
                 self.dirty, self.loaded = True, None
@@ -347,6 +351,7 @@ class _Run:
         return True
 
 
+TIER = "<tier>"  # a plan's failure that is the persistent tier's, raised as TierUnavailableError
 MESH = "<mesh>"  # an exclusion that asks rank 0 for a resharding plan at the same world size
 
 
@@ -406,8 +411,13 @@ def _plan_round(
             plan = make_plan(topo, holdings, exclude, force_reshard=remesh)
         except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
             plan, failed = Plan(None, []), str(exc)
-        persisted = None if failed else persistent_plan(
-            ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of], remesh=remesh)
+        persisted = None
+        if failed is None:
+            try:
+                persisted = persistent_plan(
+                    ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of], remesh=remesh)
+            except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
+                failed = (TIER if isinstance(exc, TierUnavailableError) else "") + str(exc)
         if failed is not None:
             plans = [failed] * ctx.world_size
         elif persisted is not None:

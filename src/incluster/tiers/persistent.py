@@ -43,6 +43,24 @@ def open_tier(spec: Any, options: dict[str, Any] | None = None) -> Any:
     return FsspecTier(str(spec), options)
 
 
+class _BackendErrors:
+    """Errors of a storage backend's own kinds become OSError: botocore's, for one,
+    reports a refused or timed-out connection as neither an OSError nor a
+    ConnectionError, and every caller here (upload retries, restore planning, the tools)
+    handles a tier's failures as OSError."""
+
+    def __init__(self, tier: "FsspecTier", what: str) -> None:
+        self.tier, self.what = tier, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:  # never swallows an error
+        if exc is None or isinstance(exc, (OSError, TierUnavailableError)) or not isinstance(exc, Exception):
+            return
+        raise OSError(f"{self.tier.url}: {self.what} failed: {type(exc).__name__}: {exc}") from exc
+
+
 class FsspecTier:
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         import fsspec
@@ -82,11 +100,12 @@ class FsspecTier:
         if self.posix:
             _private_dirs(posixpath.dirname(full))
         else:
-            self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
+            with _BackendErrors(self, f"creating the folder of {path}"):
+                self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
         view = memoryview(data).cast("B")
         t0 = time.monotonic()
         if not self.posix:
-            with self.fs.open(full, "wb") as f:
+            with _BackendErrors(self, f"writing {path}"), self.fs.open(full, "wb") as f:
                 for i in range(0, view.nbytes, CHUNK):
                     f.write(view[i : i + CHUNK])
                     self._pace(t0, i + CHUNK)
@@ -143,7 +162,7 @@ class FsspecTier:
     def read(self, path: str, into: memoryview | None = None) -> bytes | int:
         full = self._p(path)
         t0 = time.monotonic()
-        with self.fs.open(full, "rb") as f:
+        with _BackendErrors(self, f"reading {path}"), self.fs.open(full, "rb") as f:
             if into is None:
                 data: bytes = f.read()
                 self._pace(t0, len(data))
@@ -160,19 +179,22 @@ class FsspecTier:
             return n
 
     def size(self, path: str) -> int:
-        return int(self.fs.info(self._p(path))["size"])
+        with _BackendErrors(self, f"the size of {path}"):
+            return int(self.fs.info(self._p(path))["size"])
 
     def delete(self, path: str) -> None:
         full = self._p(path)
         try:
-            self.fs.rm(full, recursive=True)
+            with _BackendErrors(self, f"deleting {path}"):
+                self.fs.rm(full, recursive=True)
         except FileNotFoundError:
             pass
 
     def list(self, prefix: str = "") -> list[str]:
         full = self._p(prefix) if prefix else self.root
         try:
-            entries = self.fs.ls(full, detail=False)
+            with _BackendErrors(self, f"listing {prefix or '/'}"):
+                entries = self.fs.ls(full, detail=False)
         except FileNotFoundError:
             return []
         return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
