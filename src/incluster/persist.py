@@ -155,8 +155,14 @@ class Uploader:
     def _start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None]) -> bool:
         if not self._busy.acquire(blocking=False):
             self.skipped += 1
-            log.warning("incluster: rank %d skips the persistent save of step %d: the previous upload "
-                        "is still running (%d skipped so far)", self.p.rank, step, self.skipped)
+            if self.skipped == 1:
+                log.warning("incluster: rank %d skips the persistent save of step %d: the previous upload is "
+                            "still running. Uploads take longer than persistent_every saves apart: raise "
+                            "persistent_every, or use persistent_interval_s (later skips are logged at INFO, "
+                            "counted)", self.p.rank, step)
+            else:
+                log.info("incluster: rank %d skips the persistent save of step %d: the previous upload is still "
+                         "running (%d skipped so far)", self.p.rank, step, self.skipped)
             self.coord.persist_outcome(step, f"fail:{self.p.rank}:skipped, previous upload still running", 0)
             return False
 

@@ -63,7 +63,10 @@ def test_report_timeline_and_errors(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     p = run("report", str(tmp_path / "missing"))
-    assert p.returncode == 2 and "no events" in p.stderr
+    assert p.returncode == 2 and "is not a folder" in p.stderr and "run_dir" in p.stderr
+    (tmp_path / "empty").mkdir()
+    p = run("report", str(tmp_path / "empty"))
+    assert p.returncode == 2 and "no events" in p.stderr and "INCLUSTER_RUN_DIR" in p.stderr
 
 
 def test_plot_writes_the_figure_and_prints_its_numbers(tmp_path: Path) -> None:

@@ -98,7 +98,10 @@ def read_run(run_dir: str | Path) -> dict[int, list[Attempt]]:
     files = sorted(run.glob("events-*.jsonl"))
     if not files:
         raise ValueError(
-            f"no events-*.jsonl in {run}: pass the folder the run recorded its events to"
+            (f"no events-*.jsonl in {run}: pass the folder the run recorded its events to "
+             f"(a run records them only when given run_dir= or INCLUSTER_RUN_DIR)")
+            if run.is_dir() else
+            f"{run} is not a folder: pass the run_dir (or INCLUSTER_RUN_DIR) the run recorded its events to"
         )
     by_rank: dict[int, list[Attempt]] = {}
     for f in files:
