@@ -367,8 +367,18 @@ class Checkpointer(SavePipeline, LoadPipeline):
             self._guard.close()
             stuck = not self._staging_idle(self.config.slot_timeout_s)
             self._stage_pool.shutdown(wait=not stuck)
+            with self._lock:
+                uploading = sorted(self._uploads)
+            if uploading:
+                log.info("incluster: rank %d: close() waits for the persistent upload of step(s) %s (up to %.0f s, "
+                         "slot_timeout_s)", self.rank, uploading, self.config.slot_timeout_s)
             with self._writer_lock:  # not while a dead writer's successor is starting
                 self._writer.close(self.config.slot_timeout_s)
+            with self._lock:
+                left = list(self._uploads)
+            for step in left:  # never left pending: the writer is gone
+                self._persisted(step, f"the upload had not finished when close() ended it (after up to "
+                                      f"{self.config.slot_timeout_s:.0f} s, slot_timeout_s)")
             if not stuck:  # a staging thread still copying keeps its mappings: unmapping would crash it
                 self.ring.close()
                 self._stager.release_device()  # the device-side snapshot's GPU memory goes back

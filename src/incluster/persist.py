@@ -109,6 +109,7 @@ class Uploader:
         self._decide_lock = threading.Lock()
         self.skipped = 0
         self.failed = 0
+        self.uploading: int | None = None  # the step whose upload runs
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
@@ -166,13 +167,17 @@ class Uploader:
             self.coord.persist_outcome(step, f"fail:{self.p.rank}:skipped, previous upload still running", 0)
             return False
 
+        self.uploading = step
+
         def run() -> None:
             err = None
             try:
                 err = self._upload(step, sidecar, buf, size)
             except BaseException as exc:  # noqa: BLE001 - reported, never raised into training
                 err = f"{type(exc).__name__}: {exc}"
+                del exc  # its frames hold views of the slot's mapping
             finally:
+                self.uploading = None
                 self._busy.release()
             if err is not None:
                 self.failed += 1
@@ -224,6 +229,9 @@ class Uploader:
             if m and int(m.group(1)) < min(kept):
                 self.tier.delete(f"{self.p.job}/{name}")
 
-    def wait_idle(self, timeout: float) -> None:
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether no upload runs (waits up to ``timeout`` for the one that does)."""
         if self._busy.acquire(timeout=timeout):
             self._busy.release()
+            return True
+        return False

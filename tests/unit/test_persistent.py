@@ -239,3 +239,29 @@ def test_an_s3_endpoint_refusing_connections_is_a_tier_error_not_a_crash(local_d
     with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent="s3://bkt/run",
                                 persistent_options=opts) as ck:
         assert ck.load(_state(1.0)) == 0 and ck.last_restore.source == "local"
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_close_with_an_upload_that_never_ends_is_bounded_and_resolves_persisted(local_dir, tmp_path, monkeypatch,
+                                                                                capfd, writer):
+    """An object store that stops answering mid-upload: close() waits slot_timeout_s, not
+    forever, says what it waits for, and the step's ``persisted`` fails instead of staying
+    pending; the writer exits without tearing down the mapping the upload still reads."""
+    faults = FaultInjector().fail_at(phase="upload", step=0, action="hang", marker_dir=str(tmp_path))
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    root = str(tmp_path / "persist")
+    ck = incluster.Checkpointer(local_dir=local_dir, job="p", writer=writer, persistent=root, persistent_every=1,
+                                slot_timeout_s=3.0)
+    h = ck.save(0, _state(0.0))
+    h.wait(30)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "fault-upload-r0-s0").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    ck.close()
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(incluster.TierUnavailableError, match="had not finished when close"):
+        h.persisted.result(0)
+    err = capfd.readouterr().err
+    assert "did not finish within" in err and "BufferError" not in err
+    assert not os.path.isdir(os.path.join(root, "p")) or _manifests(root) == []

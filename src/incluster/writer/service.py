@@ -7,9 +7,11 @@ for outcomes, so a slow peer never stalls the next local commit.
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
+import sys
 import threading
 from typing import Any, Callable
 
@@ -200,16 +202,28 @@ class CommitService:
     def _unmap(self, cached: tuple[int, int, int, mmap.mmap]) -> None:
         if self.on_unmap is not None:
             self.on_unmap(cached[3])
-        cached[3].close()
+        try:
+            cached[3].close()
+        except BufferError:  # a view of it outlives its user (a storage client's failed request)
+            gc.collect()
+            try:
+                cached[3].close()
+            except BufferError:
+                pass  # unmapped when the last view goes, or when the process ends
         os.close(cached[2])
 
     def close(self, timeout: float = 600.0) -> None:
-        if self.uploader is not None:
-            self.uploader.wait_idle(timeout)
-        with self._maps_lock:
-            for cached in self._maps.values():
-                self._unmap(cached)
-            self._maps.clear()
+        uploading = None if self.uploader is None else self.uploader.uploading
+        if self.uploader is not None and not self.uploader.wait_idle(timeout):
+            # The upload still reads its slot's mapping: leave every mapping to the exit.
+            print(f"incluster writer: rank {self.params.rank}: the persistent upload of step {uploading} did not "
+                  f"finish within {timeout:.0f} s of shut-down; exiting without it (the tier keeps no manifest "
+                  f"of it: its previous persistent step stands)", file=sys.stderr)
+        else:
+            with self._maps_lock:
+                for cached in self._maps.values():
+                    self._unmap(cached)
+                self._maps.clear()
         if self.replicator is not None:
             self.replicator.close()
         self.coord.close()

@@ -197,7 +197,7 @@ def serve(conn: Connection) -> None:
                     drains.close()
                 except Exception as exc:  # noqa: BLE001 - exiting anyway
                     print(f"incluster writer: releasing the device-side snapshot: {exc}", file=sys.stderr)
-            service.close(msg.payload or 600.0)
+            service.close(600.0 if deadline is None else left() or 0.0)
             send(Message(Kind.BYE, gen))
             return
 
