@@ -212,7 +212,13 @@ class Checkpointer(SavePipeline, LoadPipeline):
             raise ValueError(f"step must be a non-negative int (got {step!r})")
         ordinal, self._saves = self._saves, self._saves + 1  # counted even if it fails: alike on every rank
         try:
-            self._check_usable()  # an earlier background error surfaces here
+            try:
+                self._check_usable()  # an earlier background error surfaces here
+            except CheckpointError as exc:
+                if not self._closed:
+                    exc.add_note(f"save({step}) raised this error of an earlier save instead of starting: step "
+                                 f"{step} is not saved (on any rank); the next save() goes on as usual")
+                raise
             snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers)
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import stat
@@ -395,3 +397,22 @@ def test_a_replica_asked_for_in_a_one_process_job_is_said_to_be_impossible(local
     with incluster.Checkpointer(local_dir=local_dir, job="solo", writer="thread", replicas=1):
         pass
     assert [r for r in caplog.records if "replicas=1 asked for, but this job is one process" in r.getMessage()]
+
+
+def test_an_earlier_saves_error_raised_by_save_says_that_step_was_not_saved(local_dir, monkeypatch):
+    """A loop that catches save()'s errors must learn that the step it asked for was not
+    the one that failed, and was not saved; the next save goes on."""
+    from incluster.testing import FaultInjector
+
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="commit", step=2, action="raise").env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread") as ck:
+        for step in (0, 1, 2):
+            h = ck.save(step, {"w": torch.full((100,), float(step))})
+            with contextlib.suppress(incluster.CheckpointError):
+                h.durable.result(30)
+        with pytest.raises(incluster.CommitError, match="step 2") as err:
+            ck.save(3, {"w": torch.full((100,), 3.0)})
+        assert any("step 3 is not saved" in n for n in getattr(err.value, "__notes__", []))
+        ck.save(4, {"w": torch.full((100,), 4.0)}).wait()
+    with incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread") as ck:
+        assert ck.load({"w": torch.zeros(100)}) == 4
