@@ -180,8 +180,10 @@ class SavePipeline:
             self.events.record(ev.DURABLE, step=step, tier="persistent", seconds=time.perf_counter() - handle.started)
             handle.persisted.set_result(True)
         elif err.startswith("skipped"):
+            self.events.record(ev.PERSIST_FAILED, step=step, error=err, skipped=True)
             handle.persisted.set_result(False)
         else:
+            self.events.record(ev.PERSIST_FAILED, step=step, error=err, skipped=False)
             handle.persisted.set_exception(
                 TierUnavailableError(f"step {step} did not reach the persistent tier {self.config.persistent}: {err}")
             )

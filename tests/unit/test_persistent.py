@@ -87,11 +87,16 @@ def test_s3_through_a_real_s3_protocol_server(local_dir, s3_endpoint):
 def test_failed_upload_is_reported_and_training_goes_on(local_dir, tmp_path, monkeypatch):
     root = str(tmp_path / "persist")
     monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="upload", step=2).env().items())))
-    handles = _run(local_dir, root, range(5))
+    handles = _run(local_dir, root, range(5), run_dir=str(tmp_path / "events"))
     with pytest.raises(incluster.TierUnavailableError, match="step 2"):
         handles[2].persisted.result(30)
     assert handles[2].durable.done() and handles[4].persisted.result(30) is True
     assert _manifests(root) == ["step-000000000000", "step-000000000004"]
+    from incluster.goodput.reader import read_run
+    from incluster.goodput.report import checkpoint_stats
+
+    stats = checkpoint_stats(read_run(tmp_path / "events"))  # the goodput report shows it too
+    assert (stats.persist_failures, stats.persist_skips, stats.save_failures) == (1, 0, 0)
 
 
 def test_a_persistent_save_due_while_the_previous_uploads_is_skipped(local_dir, tmp_path, monkeypatch):

@@ -43,6 +43,9 @@ DURABLE = "durable"
 STAGE_WAIT = "stage_wait"
 #: A save failed in the background. Fields: ``step``, ``error`` (the message).
 SAVE_FAILED = "save_failed"
+#: A save's persistent upload did not happen. Fields: ``step``, ``error`` (the message),
+#: ``skipped`` (true: the previous upload was still running; false: it failed).
+PERSIST_FAILED = "persist_failed"
 #: ``load()`` finished. Fields: ``step`` (restored step, or null when nothing was found
 #: and training starts from scratch), ``source`` (where the bytes came from, e.g. "local",
 #: "replica", "persistent", "none"), ``bytes``, ``seconds`` (how long load() took).
@@ -53,7 +56,7 @@ TRAIN_STEP = "train_step"
 #: The run finished cleanly (``Checkpointer.close()`` after the last step). No fields.
 END = "end"
 
-KINDS = (START, SAVE, STAGED, STAGE_WAIT, DURABLE, SAVE_FAILED, LOAD, TRAIN_STEP, END)
+KINDS = (START, SAVE, STAGED, STAGE_WAIT, DURABLE, SAVE_FAILED, PERSIST_FAILED, LOAD, TRAIN_STEP, END)
 TIERS = ("local", "replica", "persistent")
 
 #: Kinds that are written at once: they are rare (checkpoint-scale) and the report needs them.
@@ -191,6 +194,7 @@ __all__ = [
     "NULL_RECORDER",
     "SAVE",
     "SAVE_FAILED",
+    "PERSIST_FAILED",
     "STAGED",
     "START",
     "TIERS",

@@ -150,6 +150,10 @@ class CheckpointStats:
     """Bytes restored by all loads."""
     load_sources: dict[str, int]
     """How many loads came from each source."""
+    persist_failures: int = 0
+    """Persistent uploads that failed."""
+    persist_skips: int = 0
+    """Persistent uploads skipped: the previous one was still running."""
 
 
 def checkpoint_stats(runs: dict[int, list[Attempt]]) -> CheckpointStats:
@@ -186,6 +190,8 @@ def checkpoint_stats(runs: dict[int, list[Attempt]]) -> CheckpointStats:
         load_p99_s=percentile([_num(e, "seconds") for e in of(ev.LOAD)], 99),
         load_bytes=int(sum(_num(e, "bytes") for e in of(ev.LOAD))),
         load_sources=sources,
+        persist_failures=sum(1 for e in of(ev.PERSIST_FAILED) if not e.get("skipped")),
+        persist_skips=sum(1 for e in of(ev.PERSIST_FAILED) if e.get("skipped")),
     )
 
 
@@ -290,6 +296,8 @@ def render(report: GoodputReport, console: Any = None) -> None:
         st.add_row(f"save → durable ({tier})", str(int(d["count"] or 0)), _fmt(d["p50_s"]),
                    _fmt(d["p99_s"]))
     st.add_row("save failures", str(c.save_failures), "", "")
+    if c.persist_failures or c.persist_skips:
+        st.add_row("persistent uploads failed / skipped", f"{c.persist_failures} / {c.persist_skips}", "", "")
     st.add_row(f"load() ({c.load_bytes / 2**30:.2f} GiB in all)", str(c.loads),
                _fmt(c.load_p50_s), _fmt(c.load_p99_s))
     console.print(st)
