@@ -116,7 +116,14 @@ class Checkpointer(SavePipeline, LoadPipeline):
             log.warning("incluster: replicas=%d asked for, but this job is one process: there is no other node to "
                         "hold a copy, so its checkpoints live in this node's RAM only (add persistent= for a copy "
                         "that outlives the node)", options["replicas"])
-        os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create this job's folder in local_dir {self.config.local_dir!r} ({exc.strerror or exc}: "
+                f"{exc.filename or os.path.dirname(self.folder)}); point local_dir (or INCLUSTER_LOCAL_DIR) at a "
+                f"folder this process can write, in the node's RAM disk (e.g. /dev/shm/incluster)"
+            ) from exc
         _refuse_links(os.path.dirname(self.folder), self.folder)
         reserve.ensure(reserve.reserve_path(os.path.dirname(self.folder), self.rank))  # see reserve.py
         # With a persistent tier the ring has one more slot: a slow upload never holds up saves.

@@ -125,6 +125,8 @@ def check_names(options: Mapping[str, Any], where: str) -> None:
 def _path(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (str or os.PathLike), not {type(value).__name__} {value!r}")
+    if value is not None and not os.fspath(value):
+        raise ValueError(f"{name} is an empty path; leave it out (None) for the default, or name a folder")
 
 
 def default_local_dir() -> str:

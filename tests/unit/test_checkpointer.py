@@ -386,6 +386,16 @@ def test_a_misspelt_or_mistyped_option_is_refused_naming_the_fix(local_dir):
         incluster.Checkpointer(local_dirs=local_dir)
     with pytest.raises(TypeError, match=r"local_dir must be a path \(str or os.PathLike\), not int"):
         incluster.Checkpointer(local_dir=123)
+    with pytest.raises(ValueError, match="local_dir is an empty path"):  # not a silent default
+        incluster.Checkpointer(local_dir="")
+
+
+def test_a_local_dir_that_cannot_hold_folders_names_the_option_and_the_fix(local_dir, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for bad in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
+        with pytest.raises(incluster.CheckpointError, match=r"cannot create this job's folder in local_dir .*"
+                                                            r"point local_dir \(or INCLUSTER_LOCAL_DIR\)"):
+            incluster.Checkpointer(local_dir=bad, job="j", writer="thread")
 
 
 def test_a_replica_asked_for_in_a_one_process_job_is_said_to_be_impossible(local_dir, caplog):
