@@ -136,7 +136,9 @@ def _capture(
     obj: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bool = True, bare: list[torch.Tensor] | None = None
 ) -> Any:
     if isinstance(obj, torch.Tensor):
-        if bare is not None and type(obj).__name__ == "ShardedTensor":
+        if bare is not None and (
+            type(obj).__name__ == "ShardedTensor" or obj.layout is not torch.strided or obj.is_meta
+        ):
             raise _Rejected  # walked again with paths: the error names it and the fix
         if bare is not None and obj.numel():
             bare.append(obj)
@@ -174,6 +176,16 @@ class _Flattener:
         self.buffers: dict[int, torch.Tensor] = {}
 
     def add_tensor(self, t: torch.Tensor, name: str) -> str:
+        if t.layout is not torch.strided:
+            raise CheckpointError(
+                f"{name}: a {t.layout} tensor cannot be stored (a shard holds dense tensors); save "
+                f"t.to_dense(), or its parts (t.indices() and t.values() for a sparse COO tensor)"
+            )
+        if t.is_meta:
+            raise CheckpointError(
+                f"{name}: a tensor on the meta device holds no values to save; materialize the module "
+                f"first (module.to_empty(device=...) and initialize it, or load() into it)"
+            )
         shape = tuple(t.shape)
         ptr = t.data_ptr()
         if ptr:

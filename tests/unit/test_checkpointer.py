@@ -243,6 +243,17 @@ def test_rejected_state_fails_in_save_itself(local_dir):
         ck.save(1, {"extra": {"fn": lambda: 0}})
 
 
+@pytest.mark.parametrize("bad,fix", [
+    (lambda: torch.eye(3).to_sparse(), r"extra/t: a torch.sparse_coo tensor cannot be stored.*to_dense"),
+    (lambda: torch.empty(3, device="meta"), r"extra/t: a tensor on the meta device holds no values.*to_empty"),
+])
+def test_tensors_without_dense_values_are_refused_by_path_with_the_fix(local_dir, bad, fix):
+    with _ckpt(local_dir) as ck:
+        with pytest.raises(incluster.CheckpointError, match=fix):
+            ck.save(1, {"extra": {"t": bad()}})
+        ck.save(2, {"extra": {"t": torch.ones(3)}}).wait()  # and the Checkpointer goes on
+
+
 def test_bad_options_are_refused_with_the_rule():
     with pytest.raises(ValueError, match="keep"):
         incluster.Checkpointer(local_dir="/tmp/x", keep=1)
