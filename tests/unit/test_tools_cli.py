@@ -329,3 +329,18 @@ def test_verify_of_a_step_not_there_names_the_steps_that_are(real: tuple[str, di
     assert code == 1 and "no step 7 found" in text and "(it holds steps 2, 3)" in text, text
     code, text = inproc(capsys, "verify", os.path.join(root, "j"), "--step", "3")
     assert code == 0 and "OK: 1 copy checked" in text, text
+
+
+def test_ls_into_a_pipe_keeps_every_row_whole(local_dir: str) -> None:
+    """A script reading `incluster ls | grep ...` must find a row whole: output that is no
+    terminal is not cut to rich's default 80 columns."""
+    import incluster
+
+    job = "a-rather-long-job-name-that-would-wrap"
+    with incluster.Checkpointer(local_dir=local_dir, job=job, writer="thread") as ck:
+        ck.save(7, {"w": torch.ones(10)}).wait()
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([*CLI, "ls", local_dir], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert any(line.split()[:2] == [job, "7"] and line.rstrip().endswith("complete")
+               for line in out.stdout.splitlines()), out.stdout

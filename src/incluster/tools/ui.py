@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any, Iterable
 
 from rich.console import Console
@@ -13,9 +15,15 @@ from incluster.tools.models import Copy, Inventory
 from incluster.tools.scan import open_copy, scan
 
 
+PIPED_WIDTH = 1000  # output read by a program: rows never wrapped (tables still fit their content)
+
+
 def consoles() -> tuple[Console, Console]:
-    """(stdout for results, stderr for progress and errors); no syntax highlighting of paths."""
-    return Console(highlight=False), Console(stderr=True, highlight=False)
+    """(stdout for results, stderr for progress and errors); no syntax highlighting of paths.
+    A terminal's width is its own (or COLUMNS); output into a pipe or a file is not cut to
+    80 columns, so a script that greps a row finds it whole."""
+    wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH
+    return Console(highlight=False, width=wide), Console(stderr=True, highlight=False)
 
 
 def human(n: int) -> str:
