@@ -23,7 +23,6 @@ round succeeds the error says the state was partly overwritten.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -36,20 +35,19 @@ from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpoi
 from incluster.format.checksum import core_share
 from incluster.recovery.equivalent import SIDECAR_BAD
 from incluster.recovery.forward import forward_sidecars
-from incluster.recovery.from_persistent import download, fetch_old_shards, persistent_plan
-from incluster.recovery.gather import active_dist as _dist, device_for_collectives, gather_to_zero, scatter_from_zero
+from incluster.recovery.from_persistent import download, fetch_old_shards
+from incluster.recovery.gather import active_dist as _dist, device_for_collectives, gather_to_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing, uncommit
-from incluster.recovery.plan import Plan, RankPlan, make_plan
+from incluster.recovery.plan import RankPlan
+from incluster.recovery.plan_round import MESH, TIER, maps_of, plan_round
 from incluster.recovery.reshard import Reshard
-from incluster.recovery.reshard_pieces import Maps
 from incluster.recovery.reshard_shard import mesh_changed
 from incluster.recovery.transfer import Incoming, Outgoing, exchange
 from incluster.staging.slots import SlotRing
 from incluster.state_load import load_into
 from incluster.testing import faults
 from incluster.tiers.local import open_shard, rank_folder
-from incluster.topology import Topology
 
 log = logging.getLogger("incluster")
 MAX_ROUNDS = 6
@@ -148,7 +146,7 @@ class _Run:
         for round_ in range(1, MAX_ROUNDS + 1):
             report.rounds = round_
             shared: dict[str, Any] = {}
-            mine = _plan_round(ctx, gathered, self.exclude, self.extra, shared)
+            mine = plan_round(ctx, gathered, self.exclude, self.extra, shared)
             if isinstance(mine, str):
                 if mine.startswith(TIER):  # not "nothing saved": a caller must not start afresh on it
                     raise TierUnavailableError(mine[len(TIER):])
@@ -176,7 +174,7 @@ class _Run:
                         report.notes.append(problem)
                     if self._collect([("<persistent>", -1, mine.step)] if problem else []):
                         continue
-                rs = Reshard(ctx, self.state, mine.step, _maps(ctx, mine.world, shared), report)
+                rs = Reshard(ctx, self.state, mine.step, maps_of(ctx, mine.world, shared), report)
                 try:
                     if rs.run(self._collect):
                         continue
@@ -351,8 +349,6 @@ class _Run:
         return True
 
 
-TIER = "<tier>"  # a plan's failure that is the persistent tier's, raised as TierUnavailableError
-MESH = "<mesh>"  # an exclusion that asks rank 0 for a resharding plan at the same world size
 
 
 def _mesh_marker(report: RestoreReport, step: int) -> tuple[str, int, int]:
@@ -371,92 +367,3 @@ def _check_world(sc: Any, ctx: Context, step: int) -> None:
 def _reports_for_node() -> bool:
     # One inventory per node is enough; torchrun's LOCAL_RANK says who reports.
     return os.environ.get("LOCAL_RANK", "0") == "0"
-
-
-def _maps(ctx: Context, old_world: int, shared: dict[str, Any]) -> Maps:
-    """Every rank gets rank 0's resharding plan: the server of each old shard and the node
-    of each rank (one broadcast of O(W) integers)."""
-    dist = _dist()
-    vals = shared.get("maps")
-    if dist is not None:
-        t = torch.zeros(old_world + ctx.world_size, dtype=torch.int64, device=device_for_collectives())
-        if ctx.rank == 0:
-            t.copy_(torch.tensor(vals, dtype=torch.int64))
-        dist.broadcast(t, 0)
-        vals = t.cpu().tolist()
-    server_of, node_of = vals[:old_world], vals[old_world:]  # type: ignore[index]
-    if len(server_of) != old_world or not all(0 <= s < ctx.world_size for s in server_of):
-        raise CheckpointError("rank 0 sent a resharding plan this rank cannot read; please report this")
-    return Maps(server_of, node_of)
-
-
-def _plan_round(
-    ctx: Context, gathered: list[Any] | None, exclude: set[tuple[str, int, int]], extra: list[Any] = (),  # type: ignore[assignment]
-    shared: dict[str, Any] | None = None,
-) -> RankPlan | str:
-    """Rank 0 plans from every node's inventory (plus copies healed in earlier rounds) and
-    scatters each rank only its own instructions (a resharding plan's shared part is left
-    in ``shared`` for :func:`_maps`)."""
-    dist = _dist()
-    plans: list[Any] | None = None
-    if gathered is not None:
-        topo = Topology.from_nodes([g[0] for g in gathered])
-        holdings: dict[str, list[tuple[int, ...]]] = {}
-        for node, inv in list(gathered) + list(extra):
-            if inv is not None:
-                holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
-        remesh = any(e[0] == MESH for e in exclude)
-        failed = None
-        try:
-            plan = make_plan(topo, holdings, exclude, force_reshard=remesh)
-        except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
-            plan, failed = Plan(None, []), str(exc)
-        persisted = None
-        if failed is None:
-            try:
-                persisted = persistent_plan(
-                    ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of], remesh=remesh)
-            except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
-                failed = (TIER if isinstance(exc, TierUnavailableError) else "") + str(exc)
-        if failed is not None:
-            plans = [failed] * ctx.world_size
-        elif persisted is not None:
-            plans = persisted
-        elif plan.step is None and plan.missing:
-            newest = max(plan.missing)
-            msg = (
-                f"no step has a copy of every rank's shard on the current nodes: step {newest} lacks "
-                f"rank(s) {plan.missing[newest]}; older steps lack others"
-                + ("" if ctx.persistent is None else ", and the persistent tier has no complete step")
-                + f". Configure a persistent tier (persistent=...) to survive this, or delete "
-                f"{os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
-            )
-            plans = [msg] * ctx.world_size
-        elif plan.step is None and exclude:
-            # Copies existed but none could be used: starting afresh would silently drop them.
-            bad = sorted({step for _, _, step in exclude})
-            msg = (
-                f"every copy of step(s) {bad} failed verification or does not fit this job (see the "
-                f"log for each copy and why); nothing is loaded. Restore from a backup, or delete "
-                f"{os.path.join(ctx.local_dir, ctx.job)} on every node (and the persistent tier's "
-                f"{ctx.job}/ folder) to start afresh"
-            )
-            plans = [msg] * ctx.world_size
-        else:
-            plans = list(plan.ranks)
-            if plan.world is not None and (plan.world != ctx.world_size or remesh) and shared is not None:
-                shared["maps"] = list(plan.server_of) + [topo.node_index(n) for n in topo.node_of]
-    if dist is None:
-        return plans[0] if plans else RankPlan(None)
-    wire = None if plans is None else [p if isinstance(p, str) else dataclasses.asdict(p) for p in plans]
-    got = scatter_from_zero(wire, ctx.rank, ctx.world_size)  # JSON, never pickle
-    if isinstance(got, str):
-        return got
-    try:
-        mine = RankPlan(**got)
-    except TypeError as exc:
-        raise CheckpointError(f"rank 0 sent a restore plan this rank cannot read ({exc}); are all ranks "
-                              f"running the same incluster version?") from None
-    return dataclasses.replace(mine, sends=tuple(int(r) for r in mine.sends))
-
-

@@ -1,0 +1,117 @@
+"""One planning round of a restore, and the resharding maps every rank gets from it.
+
+Rank 0 plans from every node's inventory (:mod:`incluster.recovery.plan`), asks the
+persistent tier whether it holds a newer step (:mod:`incluster.recovery.from_persistent`)
+and scatters each rank only its own instructions; a failure every rank must hear travels
+as a message instead of a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from incluster.errors import CheckpointError, TierUnavailableError
+from incluster.recovery.from_persistent import persistent_plan
+from incluster.recovery.gather import active_dist as _dist, device_for_collectives, scatter_from_zero
+from incluster.recovery.plan import Plan, RankPlan, make_plan
+from incluster.recovery.reshard_pieces import Maps
+from incluster.topology import Topology
+
+if TYPE_CHECKING:
+    from incluster.recovery.restore import Context
+
+TIER = "<tier>"  # a plan's failure that is the persistent tier's, raised as TierUnavailableError
+MESH = "<mesh>"  # an exclusion that asks rank 0 for a resharding plan at the same world size
+
+
+def maps_of(ctx: Context, old_world: int, shared: dict[str, Any]) -> Maps:
+    """Every rank gets rank 0's resharding plan: the server of each old shard and the node
+    of each rank (one broadcast of O(W) integers)."""
+    dist = _dist()
+    vals = shared.get("maps")
+    if dist is not None:
+        t = torch.zeros(old_world + ctx.world_size, dtype=torch.int64, device=device_for_collectives())
+        if ctx.rank == 0:
+            t.copy_(torch.tensor(vals, dtype=torch.int64))
+        dist.broadcast(t, 0)
+        vals = t.cpu().tolist()
+    server_of, node_of = vals[:old_world], vals[old_world:]  # type: ignore[index]
+    if len(server_of) != old_world or not all(0 <= s < ctx.world_size for s in server_of):
+        raise CheckpointError("rank 0 sent a resharding plan this rank cannot read; please report this")
+    return Maps(server_of, node_of)
+
+
+def plan_round(
+    ctx: Context, gathered: list[Any] | None, exclude: set[tuple[str, int, int]], extra: list[Any] = (),  # type: ignore[assignment]
+    shared: dict[str, Any] | None = None,
+) -> RankPlan | str:
+    """Rank 0 plans from every node's inventory (plus copies healed in earlier rounds) and
+    scatters each rank only its own instructions (a resharding plan's shared part is left
+    in ``shared`` for :func:`maps_of`)."""
+    dist = _dist()
+    plans: list[Any] | None = None
+    if gathered is not None:
+        topo = Topology.from_nodes([g[0] for g in gathered])
+        holdings: dict[str, list[tuple[int, ...]]] = {}
+        for node, inv in list(gathered) + list(extra):
+            if inv is not None:
+                holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
+        remesh = any(e[0] == MESH for e in exclude)
+        failed = None
+        try:
+            plan = make_plan(topo, holdings, exclude, force_reshard=remesh)
+        except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
+            plan, failed = Plan(None, []), str(exc)
+        persisted = None
+        if failed is None:
+            try:
+                persisted = persistent_plan(
+                    ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of], remesh=remesh)
+            except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
+                failed = (TIER if isinstance(exc, TierUnavailableError) else "") + str(exc)
+        if failed is not None:
+            plans = [failed] * ctx.world_size
+        elif persisted is not None:
+            plans = persisted
+        elif plan.step is None and plan.missing:
+            newest = max(plan.missing)
+            msg = (
+                f"no step has a copy of every rank's shard on the current nodes: step {newest} lacks "
+                f"rank(s) {plan.missing[newest]}; older steps lack others"
+                + ("" if ctx.persistent is None else ", and the persistent tier has no complete step")
+                + f". Configure a persistent tier (persistent=...) to survive this, or delete "
+                f"{os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
+            )
+            plans = [msg] * ctx.world_size
+        elif plan.step is None and exclude:
+            # Copies existed but none could be used: starting afresh would silently drop them.
+            bad = sorted({step for _, _, step in exclude})
+            msg = (
+                f"every copy of step(s) {bad} failed verification or does not fit this job (see the "
+                f"log for each copy and why); nothing is loaded. Restore from a backup, or delete "
+                f"{os.path.join(ctx.local_dir, ctx.job)} on every node (and the persistent tier's "
+                f"{ctx.job}/ folder) to start afresh"
+            )
+            plans = [msg] * ctx.world_size
+        else:
+            plans = list(plan.ranks)
+            if plan.world is not None and (plan.world != ctx.world_size or remesh) and shared is not None:
+                shared["maps"] = list(plan.server_of) + [topo.node_index(n) for n in topo.node_of]
+    if dist is None:
+        return plans[0] if plans else RankPlan(None)
+    wire = None if plans is None else [p if isinstance(p, str) else dataclasses.asdict(p) for p in plans]
+    got = scatter_from_zero(wire, ctx.rank, ctx.world_size)  # JSON, never pickle
+    if isinstance(got, str):
+        return got
+    try:
+        mine = RankPlan(**got)
+    except TypeError as exc:
+        raise CheckpointError(f"rank 0 sent a restore plan this rank cannot read ({exc}); are all ranks "
+                              f"running the same incluster version?") from None
+    return dataclasses.replace(mine, sends=tuple(int(r) for r in mine.sends))
+
+
