@@ -135,8 +135,9 @@ class StoreCoordinator:
         n = self.store.add(self._k("c", step), 1)
         if n < self.addr.quorum:
             return
-        self.store.compare_set(self._k("o", step), "", Outcome.COMMITTED.value)
-        self._raise_latest(step)
+        got = self.store.compare_set(self._k("o", step), "", Outcome.COMMITTED.value).decode()
+        if got == Outcome.COMMITTED.value:  # not a step a rank already gave up on (FAILED first)
+            self._raise_latest(step)
 
     def _raise_latest(self, step: int) -> None:
         key = self._k("latest")
@@ -162,10 +163,17 @@ class StoreCoordinator:
             if "timeout" not in str(exc).lower():
                 raise PeerTimeoutError(f"lost the job store while waiting for step {step}: {exc}") from None
             n = int(self.store.add(self._k("c", step), 0))
-            raise PeerTimeoutError(
-                f"step {step} was not committed by every rank within {timeout:.0f} s "
-                f"({n} of {self.addr.quorum} copies committed); a rank or its writer is stuck or dead"
-            ) from None
+            why = (f"step {step} was not committed by every rank within {timeout:.0f} s "
+                   f"({n} of {self.addr.quorum} copies committed)")
+            # Given up here, so failed for every rank: a late rank's commit must not make
+            # it durable elsewhere (its copy would be the newest step on some ranks only).
+            value = self.store.compare_set(
+                key, "", f"{Outcome.FAILED.value}:{self.rank}:{why} (timed out waiting)").decode()
+            if value != Outcome.COMMITTED.value:  # else the last commit came in just now
+                raise PeerTimeoutError(
+                    f"{why}; a rank or its writer is stuck or dead, or a rank called save({step}) "
+                    f"later than slot_timeout_s after this one (every rank must save the same steps)"
+                ) from None
         _raise_for(step, value)
 
     def persisted(self, step: int, info: str) -> bool:
