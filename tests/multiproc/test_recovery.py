@@ -240,3 +240,17 @@ def test_a_corrupt_piece_on_the_staged_path_falls_back_to_an_older_step(local_di
     r1 = second[1]["restore"]
     assert r1["source"] == "peer" and any("checksum mismatch" in n for n in r1["notes"])
     assert 0 < second[1]["wire_peak"] <= 2 * 2 * 4096
+
+
+def test_simulated_nodes_under_one_launcher_each_list_their_ram(local_dir):
+    """Two ranks of one launcher (LOCAL_RANK 0 and 1) playing two nodes (INCLUSTER_NODE,
+    a RAM folder each): the rank with LOCAL_RANK 1 is its node's only rank, so it must list
+    that node's RAM; a wiped node 0 then restores from node 1's replica, not from scratch."""
+    one_launcher = {0: {"LOCAL_WORLD_SIZE": "2"}, 1: {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}}
+    codes, first, job = _run(local_dir, 0, nodes=["A", "B"], env=THREAD, rank_env=one_launcher)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    shutil.rmtree(os.path.join(local_dir, "A"))
+    codes, second, job = _run(local_dir, 1, nodes=["A", "B"], env=THREAD, rank_env=one_launcher)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 4)
+    assert second[0]["restore"]["source"] == "peer" and second[1]["restore"]["source"] == "local"

@@ -57,9 +57,13 @@ def plan_round(
     if gathered is not None:
         topo = Topology.from_nodes([g[0] for g in gathered])
         holdings: dict[str, list[tuple[int, ...]]] = {}
-        for node, inv in list(gathered) + list(extra):
-            if inv is not None:
+        listed: set[str] = set()
+        for node, inv in gathered:  # one listing per node (several ranks may list the same one)
+            if inv is not None and node not in listed:
+                listed.add(node)
                 holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
+        for node, inv in extra:
+            holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
         remesh = any(e[0] == MESH for e in exclude)
         failed = None
         try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -141,7 +142,7 @@ class _Run:
     def go(self) -> None:
         ctx, report = self.ctx, self.report
         dist = _dist()
-        mine_inv = (ctx.node, node_inventory(ctx.local_dir, ctx.job) if _reports_for_node() else None)
+        mine_inv = (ctx.node, node_inventory(ctx.local_dir, ctx.job) if _reports_for_node(ctx) else None)
         gathered = gather_to_zero(mine_inv, ctx.rank, ctx.world_size) if dist is not None else [mine_inv]
         for round_ in range(1, MAX_ROUNDS + 1):
             report.rounds = round_
@@ -364,6 +365,9 @@ def _check_world(sc: Any, ctx: Context, step: int) -> None:
         )
 
 
-def _reports_for_node() -> bool:
-    # One inventory per node is enough; torchrun's LOCAL_RANK says who reports.
-    return os.environ.get("LOCAL_RANK", "0") == "0"
+def _reports_for_node(ctx: Context) -> bool:
+    """One inventory per node is enough: torchrun's LOCAL_RANK 0 lists its host. A node
+    named apart from its host (node= or INCLUSTER_NODE: several simulated nodes on one
+    host, each rank with its own RAM folder) has no such rank to rely on: every rank
+    lists, and rank 0 keeps one listing per node."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" or ctx.node != socket.gethostname()
