@@ -220,7 +220,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         ordinal, self._saves = self._saves, self._saves + 1  # counted even if it fails: alike on every rank
         try:
             try:
-                self._check_usable()  # an earlier background error surfaces here
+                self._check_usable(peers=False)  # an earlier background error of this rank surfaces here
             except CheckpointError as exc:
                 if not self._closed:
                     exc.add_note(f"save({step}) raised this error of an earlier save instead of starting: step "
@@ -353,18 +353,26 @@ class Checkpointer(SavePipeline, LoadPipeline):
             self._pending = [h for h in self._pending if not h.durable.done()]
         self._raise_errors()
 
-    def _raise_errors(self) -> None:
+    def _raise_errors(self, peers: bool = True) -> None:
+        """Raise the first background error not raised yet. ``peers=False`` (save()) keeps
+        other ranks' failures for wait(): raised by save(), such an error would fail this
+        rank's new step too, which the other ranks would then raise at their next save(),
+        and so on - no step saved again."""
         with self._lock:
-            errors, self._errors = self._errors, []
+            if peers:
+                errors, self._errors = self._errors, []
+            else:
+                errors = [e for e in self._errors if not getattr(e[1], "from_peer", False)]
+                self._errors = [e for e in self._errors if getattr(e[1], "from_peer", False)]
         for handle, err in errors:
             if not handle.reported:
                 handle.reported = True
                 raise err
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, peers: bool = True) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
-        self._raise_errors()
+        self._raise_errors(peers)
         with self._lock:
             self._pending = [h for h in self._pending if not h.durable.done()]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -98,6 +99,12 @@ class SoloCoordinator:
 
     def close(self) -> None:
         pass
+
+
+def failed_on(message: str) -> int | None:
+    """The rank a job-store verdict names ("step N failed on rank R (...)"), else None."""
+    m = re.match(r"step \d+ failed on rank (\d+) ", message)
+    return int(m.group(1)) if m else None
 
 
 def _raise_for(step: int, value: str) -> None:

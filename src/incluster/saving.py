@@ -18,7 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from incluster.config import Config
-from incluster.errors import CheckpointError, CommitError, TierUnavailableError, WriterProcessDied
+from incluster.commit import failed_on
+from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, TierUnavailableError, WriterProcessDied
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.replication import announce_writer
@@ -208,6 +209,11 @@ class SavePipeline:
         )
         if err is not exc:
             err.__cause__ = exc
+        peer = published and phase == "commit" and (
+            isinstance(exc, PeerTimeoutError) or failed_on(str(exc)) not in (None, self.rank))
+        if peer:  # another rank's failure: reported by wait() and the handle, never by this rank's next save()
+            err.from_peer = True  # type: ignore[attr-defined]
+            log.warning("incluster: rank %d: %s", self.rank, err)
         if job.drain is not None and self._stager.remote is not None:
             self._stager.remote.done(job.step)  # a failed drain stopped reading; a dead writer reads nothing
         self.ring.fail(job.slot, job.step)  # one locked transition: no save can take it half way

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.multiproc
 SCRIPT = os.path.join(os.path.dirname(__file__), "trainer_script.py")
 
 
+THREAD_ENV = {"WRITER": "thread"}
+
+
 def _run(base, attempt, *, nodes, rpn=1, steps=4, every=2, env=None, rank_env=None, timeout=120):
     out = os.path.join(base, "out")
     os.makedirs(out, exist_ok=True)
@@ -77,6 +80,22 @@ def test_one_ranks_writer_failing_fails_the_step_on_every_rank(local_dir):
     codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4)
     assert codes == [0, 0]
     _assert_restored(second, first, 2)
+
+
+def test_one_failed_step_does_not_fail_every_later_one_when_nobody_waits(local_dir):
+    """The README's loop (handles never waited, save() errors caught): rank 1's failed
+    commit of step 2 reaches rank 1 at its next save() (which then saves nothing), but not
+    rank 0's - else rank 0's next step would fail too, which rank 1 would raise at ITS
+    next save(), and so on, no step saved again. Here only steps 2 and 4 are lost."""
+    fault = FaultInjector().fail_at(rank=1, step=2, phase="commit", action="raise").env()
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], steps=12, every=2,
+                             env={"NOWAIT": "1", **THREAD_ENV}, rank_env={1: fault})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    assert "4" in first[1]["errors"] and first[1]["errors"]["4"][0] == "CommitError"  # its own step 2's failure
+    assert not [k for k in first[0]["errors"] if k != "close"], first[0]["errors"]  # a peer's: wait() has it
+    assert "close" in first[0]["errors"]
+    for r in (0, 1):
+        assert first[r]["durable"][-4:] == [6, 8, 10, 12], (r, first[r]["durable"])
 
 
 def test_writer_killed_mid_commit(local_dir):

@@ -91,6 +91,7 @@ def main() -> int:
         with torch.no_grad():
             model(torch.randn(16, 32) * 10)  # BatchNorm statistics change in place, at once
     g = torch.Generator().manual_seed(rank)
+    handles: list = []
     for step in range((start or 0) + 1, steps + 1):
         model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
         optim.step()
@@ -99,7 +100,11 @@ def main() -> int:
         if step % every == 0:
             result["digests"][step] = digest(model, optim, state["extra"])
             try:
-                ckpt.save(step, state).wait()
+                h = ckpt.save(step, state)
+                if os.environ.get("NOWAIT"):  # the README's loop: handles never waited
+                    handles.append(h)
+                else:
+                    h.wait()
             except incluster.CheckpointError as exc:
                 result["errors"][step] = [type(exc).__name__, str(exc)]
         with open(result_path, "w") as f:
@@ -108,6 +113,7 @@ def main() -> int:
         ckpt.close()
     except incluster.CheckpointError as exc:
         result["errors"]["close"] = [type(exc).__name__, str(exc)]
+    result["durable"] = [h.step for h in handles if h.durable.done() and h.durable.exception() is None]
     with open(result_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
