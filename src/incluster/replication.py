@@ -56,6 +56,9 @@ def _room(ring: SlotRing) -> int:
     return st.f_bavail * st.f_frsize + max((sl.size for sl in ring.slots), default=0)
 
 
+REPAIR_STEP = 1 << 32  # a repaired pair's incarnations, apart from the trainer's writer restarts (0, 1, 2...)
+
+
 def writer_key(job: str, rank: int) -> str:
     """The store key that says which incarnation of ``rank``'s writer is up: ``"<n>"``,
     ``"restarting <n>"`` (its trainer is starting incarnation n), or ``"gone"``."""
@@ -221,10 +224,26 @@ class Replicator:
 
     def exchange(self, step: int, own: OwnShard | None, coord: Coordinator) -> list[int]:
         """Run one step's replication with every partner; returns the owners received."""
-        skip = self._refresh_pairs(step)
-        if skip:
-            coord.failed(step, f"rank {sorted(skip)}'s writer was started again after this step")
-        return self._exchange(step, own, coord, skip)
+        try:
+            skip = self._refresh_pairs(step)
+            if skip:
+                coord.failed(step, f"rank {sorted(skip)}'s writer was started again, or saved a later step, "
+                                   f"before this one")
+            return self._exchange(step, own, coord, skip)
+        except RuntimeError as exc:  # gloo (a timeout, a closed pair) or the store: the pairs are spent
+            self._repair(exc)
+            raise
+
+    def _repair(self, why: BaseException) -> None:
+        """A pair broke (a gloo timeout closes it for good, e.g. when ranks saved different
+        steps): take a new incarnation, so that every partner builds its pair with this
+        writer again, on a fresh prefix, at its next exchange - as after a writer restart."""
+        self._pairs.clear()
+        self.incarnation += REPAIR_STEP
+        self._client.set(f"{self._gen_key(self.rank)}/{self.incarnation}/up", "1")
+        self._client.set(self._gen_key(self.rank), str(self.incarnation))
+        log.warning("incluster: rank %d: replication with its partners broke (%s); they pair again at the next "
+                    "save", self.rank, str(why).splitlines()[0][:200])
 
     def _exchange(self, step: int, own: OwnShard | None, coord: Coordinator, skip: set[int]) -> list[int]:
         sources = [r for r in self.sources if r not in skip]

@@ -98,6 +98,25 @@ def test_one_failed_step_does_not_fail_every_later_one_when_nobody_waits(local_d
         assert first[r]["durable"][-4:] == [6, 8, 10, 12], (r, first[r]["durable"])
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_replication_pairs_again_after_a_rank_skipped_a_save(local_dir, writer):
+    """Only rank 0 saves step 4 (every rank must save the same steps): its replica exchange
+    with rank 1 times out, which closes their gloo pair for good. That step fails; the
+    pair must be built again, so that later saves replicate and become durable as usual
+    (every later save failed at once with "pair closure" before)."""
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], steps=12, every=2,
+                             env={"WRITER": writer, "TIMEOUT_S": "4"}, rank_env={1: {"SKIP_SAVES": "4"}},
+                             timeout=180)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    for r in (0, 1):
+        errs = {int(k) for k in first[r]["errors"] if k != "close"}
+        assert errs and max(errs) <= 8, (r, first[r]["errors"])  # steps after that are saved again
+    assert any("pair again" in job.output(r) for r in (0, 1))
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=12, env={"WRITER": writer})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 12)
+
+
 def test_writer_killed_mid_commit(local_dir):
     fault = FaultInjector().fail_at(rank=1, step=4, phase="commit", action="kill").env()
     codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], rank_env={1: fault})

@@ -8,7 +8,8 @@ right after the restore, the digest of the state at each save, and any save erro
 Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``ATTEMPT``, ``BN=1``
 (a BatchNorm layer and a large buffer, both changed in every forward pass), ``FORWARD_AFTER_LOAD=1``
 (one training-mode forward pass right after the restore, before anything waits),
-``WIRE_PIECE=N`` (a restore's transfers move N-byte pieces through the staged wire NCCL
+``NOWAIT=1`` (save handles never waited), ``SKIP_SAVES=4,6`` (this rank does not save those
+steps: a user error), ``WIRE_PIECE=N`` (a restore's transfers move N-byte pieces through the staged wire NCCL
 uses, with CPU buffers, ``WIRE_WINDOW`` per round; the result records the most buffer
 bytes any one transfer held).
 """
@@ -97,7 +98,7 @@ def main() -> int:
         optim.step()
         optim.zero_grad()
         state["extra"]["step"] = step
-        if step % every == 0:
+        if step % every == 0 and str(step) not in os.environ.get("SKIP_SAVES", "").split(","):
             result["digests"][step] = digest(model, optim, state["extra"])
             try:
                 h = ckpt.save(step, state)
