@@ -108,6 +108,8 @@ class LoadPipeline:
         if durable.cancelled() or durable.exception() is not None or self._old_world is None:
             return
         old, self._old_world = self._old_world, None
+        if old <= self.world_size:  # the world grew: every old rank is in this one
+            return
         base = os.path.join(self.config.local_dir, self.config.job)
         for owner in range(self.world_size, old):
             shutil.rmtree(os.path.join(base, f"rank-{owner:05d}"), ignore_errors=True)
