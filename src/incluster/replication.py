@@ -33,6 +33,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ def _room(ring: SlotRing) -> int:
     return st.f_bavail * st.f_frsize + max((sl.size for sl in ring.slots), default=0)
 
 
+MEET_POLL_S = 0.2  # how often a pairing that waits re-reads its partner's incarnation
 REPAIR_STEP = 1 << 32  # a repaired pair's incarnations, apart from the trainer's writer restarts (0, 1, 2...)
 
 
@@ -164,8 +166,7 @@ class Replicator:
         lo = min(self.rank, peer)
         key = self._pair_key(peer, peer_gen)
         if self.incarnation or peer_gen:
-            self._client.set(f"{key}/seen-{self.rank}", "1")
-            self._client.wait([f"{key}/seen-{peer}"], self.timeout)
+            key, peer_gen = self._meet(peer, peer_gen)
         pg = ProcessGroupGloo(PrefixStore(key, self._client), 0 if self.rank == lo else 1, 2, self.timeout)
         self._pairs[peer] = (pg, 1 if self.rank == lo else 0)
         self._peer_gen[peer] = peer_gen
@@ -175,6 +176,31 @@ class Replicator:
         self._wait_all([self._send([torch.tensor([step], dtype=torch.int64)], peer, _SYNC_TAG),
                         self._recv([theirs], peer, _SYNC_TAG)])
         return int(theirs[0])
+
+    def _meet(self, peer: int, peer_gen: int) -> tuple[str, int]:
+        """Both sides say they have seen this pair of incarnations, on the key both name
+        it by. The partner may take a new incarnation meanwhile (its own exchange broke
+        later than ours): then we follow it to the new key instead of waiting out the
+        timeout on the old one, which would only break the pair again."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        key = self._pair_key(peer, peer_gen)
+        self._client.set(f"{key}/seen-{self.rank}", "1")
+        read = time.monotonic()
+        while not self._client.check([f"{key}/seen-{peer}"]):
+            now = time.monotonic()
+            if now >= deadline:
+                raise RuntimeError(f"partner rank {peer}'s writer did not pair again within "
+                                   f"{self.timeout.total_seconds():.0f} s")
+            if now - read >= MEET_POLL_S:
+                read = now
+                gen = self._current_gen(peer, self._client.get(self._gen_key(peer)))
+                if gen is None:
+                    raise RuntimeError(f"partner rank {peer}'s writer is gone")
+                if gen != peer_gen:
+                    peer_gen, key = gen, self._pair_key(peer, gen)
+                    self._client.set(f"{key}/seen-{self.rank}", "1")
+            time.sleep(0.02)
+        return key, peer_gen
 
     def _refresh_pairs(self, step: int) -> set[int]:
         """Before each exchange: one store read says whether a partner's writer was started
