@@ -130,6 +130,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         slots = self.config.keep + (1 if self.config.persistent else 0)
         self.ring = SlotRing(self.folder, slots, on_map=self._on_map, on_unmap=self._on_unmap)
         self._uploads: dict[int, tuple[Slot, SaveHandle]] = {}
+        self._durable_high = -1  # the newest step durable on every rank, seen by this process
         self._early_persisted: dict[int, str | None] = {}  # upload outcomes told before the commit was handled
         self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
         self._store_server, address, targets, sources = wiring.start_store(self.config, self.rank, self.world_size)
@@ -359,6 +360,10 @@ class Checkpointer(SavePipeline, LoadPipeline):
         rank's new step too, which the other ranks would then raise at their next save(),
         and so on - no step saved again."""
         with self._lock:
+            # Another rank's failure of a step older than one durable since: logged when it
+            # happened, superseded now (close() would raise it hours later otherwise).
+            self._errors = [e for e in self._errors
+                            if not (getattr(e[1], "from_peer", False) and e[0].step < self._durable_high)]
             if peers:
                 errors, self._errors = self._errors, []
             else:

@@ -176,6 +176,8 @@ class StoreCoordinator:
             # it durable elsewhere (its copy would be the newest step on some ranks only).
             value = self.store.compare_set(
                 key, "", f"{Outcome.FAILED.value}:{self.rank}:{why} (timed out waiting)").decode()
+            if value.startswith(Outcome.FAILED.value) and not value.startswith(f"{Outcome.FAILED.value}:{self.rank}:"):
+                _raise_for(step, value)  # another rank's verdict came first: its reason
             if value != Outcome.COMMITTED.value:  # else the last commit came in just now
                 raise PeerTimeoutError(
                     f"{why}; a rank or its writer is stuck or dead, or a rank called save({step}) "

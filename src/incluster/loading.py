@@ -45,6 +45,8 @@ class LoadPipeline:
     _old_world: int | None
     _highest: int
     _job_derived: bool
+    _closed: bool
+    _errors: list[Any]
     # the Checkpointer's own (and SavePipeline's) methods this half calls
     wait: Callable[..., None]
     _check_usable: Callable[[], None]
@@ -56,8 +58,16 @@ class LoadPipeline:
         own node, a peer's RAM, or (later) the persistent tier - into ``state`` in place.
         Returns the step, or None when nothing was saved. Collective: every rank calls it.
         The decision is kept in ``last_restore`` and logged in one line per rank."""
-        self._check_usable()
-        self.wait()
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; create a new one")
+        try:
+            self.wait()  # saves in flight end first; their failures are superseded by the restore
+        except CheckpointError as exc:
+            # Raised here on some ranks only, it would leave the others waiting in the
+            # restore's collectives: reported, not raised.
+            log.warning("incluster: rank %d: an earlier save failed (%s); load() goes on", self.rank, exc)
+        with self._lock:
+            self._errors = []
         ctx = RestoreContext(
             local_dir=self.config.local_dir,
             job=self.config.job,

@@ -9,12 +9,13 @@ caller once, wrapped with what to do.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 from incluster.config import Config
@@ -67,6 +68,7 @@ class SavePipeline:
     _lock: threading.Lock
     _uploads: dict[int, tuple[Slot, SaveHandle]]
     _early_persisted: dict[int, str | None]
+    _durable_high: int
     _errors: list[tuple[SaveHandle, BaseException]]
     _warned_warm: bool
     _writer_params: WriterParams
@@ -157,6 +159,8 @@ class SavePipeline:
         self.ring.set_global(job.step)
         self.ring.drop_unheld(job.step)
         handle.durable_s = time.perf_counter() - handle.started
+        with self._lock:
+            self._durable_high = max(self._durable_high, job.step)
         if self.world_size > 1:
             self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
         handle.durable.set_result(None)
@@ -177,6 +181,8 @@ class SavePipeline:
             self._report_persisted(step, handle, err)
 
     def _report_persisted(self, step: int, handle: SaveHandle, err: str | None) -> None:
+        if handle.persisted.done():  # told twice (close() resolving what a late word also resolves)
+            return
         if err is None:
             self.events.record(ev.DURABLE, step=step, tier="persistent", seconds=time.perf_counter() - handle.started)
             handle.persisted.set_result(True)
@@ -210,7 +216,8 @@ class SavePipeline:
         if err is not exc:
             err.__cause__ = exc
         peer = published and phase == "commit" and (
-            isinstance(exc, PeerTimeoutError) or failed_on(str(exc)) not in (None, self.rank))
+            isinstance(exc, PeerTimeoutError) or failed_on(str(exc)) not in (None, self.rank)
+            or "(replication: " in str(exc) or "was started again" in str(exc))  # a pair's, not this rank's
         if peer:  # another rank's failure: reported by wait() and the handle, never by this rank's next save()
             err.from_peer = True  # type: ignore[attr-defined]
             log.warning("incluster: rank %d: %s", self.rank, err)
@@ -224,7 +231,8 @@ class SavePipeline:
             if not fut.done():
                 fut.set_exception(err)
         if not handle.persisted.done() and job.step not in self._uploads:
-            handle.persisted.set_result(False)
+            with contextlib.suppress(InvalidStateError):  # an upload's word may resolve it meanwhile
+                handle.persisted.set_result(False)
         job.host_done.set()
 
     def _writer_died(self) -> None:

@@ -56,14 +56,13 @@ def plan_round(
     plans: list[Any] | None = None
     if gathered is not None:
         topo = Topology.from_nodes([g[0] for g in gathered])
-        holdings: dict[str, list[tuple[int, ...]]] = {}
-        listed: set[str] = set()
-        for node, inv in gathered:  # one listing per node (several ranks may list the same one)
-            if inv is not None and node not in listed:
-                listed.add(node)
-                holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
-        for node, inv in extra:
-            holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
+        held: dict[str, dict[tuple[int, ...], None]] = {}
+        # Several ranks may list the same RAM folder (simulated nodes): each copy counted once.
+        # Listings of one node name from different folders (pods with their own RAM) add up.
+        for node, inv in list(gathered) + list(extra):
+            if inv is not None:
+                held.setdefault(node, {}).update((tuple(int(x) for x in item), None) for item in inv)
+        holdings = {node: list(items) for node, items in held.items()}
         remesh = any(e[0] == MESH for e in exclude)
         failed = None
         try:
