@@ -130,7 +130,6 @@ class Checkpointer(SavePipeline, LoadPipeline):
         slots = self.config.keep + (1 if self.config.persistent else 0)
         self.ring = SlotRing(self.folder, slots, on_map=self._on_map, on_unmap=self._on_unmap)
         self._uploads: dict[int, tuple[Slot, SaveHandle]] = {}
-        self._durable_high = -1  # the newest step durable on every rank, seen by this process
         self._early_persisted: dict[int, str | None] = {}  # upload outcomes told before the commit was handled
         self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
         self._store_server, address, targets, sources = wiring.start_store(self.config, self.rank, self.world_size)
@@ -359,16 +358,13 @@ class Checkpointer(SavePipeline, LoadPipeline):
         other ranks' failures for wait(): raised by save(), such an error would fail this
         rank's new step too, which the other ranks would then raise at their next save(),
         and so on - no step saved again."""
+        newest = self.ring.newest_global
         with self._lock:
             # Another rank's failure of a step older than one durable since: logged when it
             # happened, superseded now (close() would raise it hours later otherwise).
-            self._errors = [e for e in self._errors
-                            if not (getattr(e[1], "from_peer", False) and e[0].step < self._durable_high)]
-            if peers:
-                errors, self._errors = self._errors, []
-            else:
-                errors = [e for e in self._errors if not getattr(e[1], "from_peer", False)]
-                self._errors = [e for e in self._errors if getattr(e[1], "from_peer", False)]
+            kept = [e for e in self._errors if not (_from_peer(e[1]) and newest is not None and e[0].step < newest)]
+            errors = kept if peers else [e for e in kept if not _from_peer(e[1])]
+            self._errors = [e for e in kept if e not in errors]
         for handle, err in errors:
             if not handle.reported:
                 handle.reported = True
@@ -444,6 +440,11 @@ class Checkpointer(SavePipeline, LoadPipeline):
             from incluster.staging import cuda
 
             cuda.unregister(slot)
+
+
+def _from_peer(err: BaseException) -> bool:
+    """Another rank's failure (tagged by ``SavePipeline._fail``)."""
+    return getattr(err, "from_peer", False)
 
 
 def _refuse_links(*folders: str) -> None:

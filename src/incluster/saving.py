@@ -68,7 +68,6 @@ class SavePipeline:
     _lock: threading.Lock
     _uploads: dict[int, tuple[Slot, SaveHandle]]
     _early_persisted: dict[int, str | None]
-    _durable_high: int
     _errors: list[tuple[SaveHandle, BaseException]]
     _warned_warm: bool
     _writer_params: WriterParams
@@ -159,8 +158,6 @@ class SavePipeline:
         self.ring.set_global(job.step)
         self.ring.drop_unheld(job.step)
         handle.durable_s = time.perf_counter() - handle.started
-        with self._lock:
-            self._durable_high = max(self._durable_high, job.step)
         if self.world_size > 1:
             self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
         handle.durable.set_result(None)
