@@ -49,8 +49,9 @@ class Coordinator(Protocol):
     def committed(self, step: int) -> None:
         """Count one committed copy of ``step``; completes the step if it is the last."""
 
-    def failed(self, step: int, reason: str) -> None:
-        """Tell every rank that ``step`` can never commit."""
+    def failed(self, step: int, reason: str) -> str:
+        """Tell every rank that ``step`` can never commit, unless it is decided already;
+        returns the step's outcome as it now stands (``ok`` if it had committed)."""
 
     def wait_outcome(self, step: int, timeout: float) -> None:
         """Return once ``step`` is globally committed; CommitError/PeerTimeoutError else."""
@@ -79,8 +80,8 @@ class SoloCoordinator:
     def committed(self, step: int) -> None:
         self._outcomes[step] = Outcome.COMMITTED.value
 
-    def failed(self, step: int, reason: str) -> None:
-        self._outcomes.setdefault(step, f"{Outcome.FAILED.value}:0:{reason}")
+    def failed(self, step: int, reason: str) -> str:
+        return self._outcomes.setdefault(step, f"{Outcome.FAILED.value}:0:{reason}")
 
     def wait_outcome(self, step: int, timeout: float) -> None:
         _raise_for(step, self._outcomes.get(step, Outcome.COMMITTED.value))
@@ -156,9 +157,9 @@ class StoreCoordinator:
                 return
             expected = cur
 
-    def failed(self, step: int, reason: str) -> None:
+    def failed(self, step: int, reason: str) -> str:
         value = f"{Outcome.FAILED.value}:{self.rank}:{reason.replace(chr(10), ' ')[:500]}"
-        self.store.compare_set(self._k("o", step), "", value)
+        return self.store.compare_set(self._k("o", step), "", value).decode()
 
     def wait_outcome(self, step: int, timeout: float) -> None:
         key = self._k("o", step)

@@ -13,19 +13,20 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 from incluster.config import Config
-from incluster.commit import failed_on
+from incluster.commit import Outcome, StoreCoordinator, failed_on
 from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, TierUnavailableError, WriterProcessDied
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager
-from incluster.staging.slots import Slot, SlotRing, SlotState
+from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
 from incluster.testing import faults
 from incluster.writer.base import Writer
 from incluster.writer.local_commit import CommitRequest
@@ -36,6 +37,17 @@ log = logging.getLogger("incluster")
 MAX_WRITER_RESTARTS = 3  # per Checkpointer: a writer that keeps dying has a cause to find
 EARLY_WORDS = 64  # upload outcomes kept for saves whose commit is not handled yet
 _NO_WORD = object()
+
+
+def _sidecar_of(folder: str, step: int, job: StageJob) -> bool:
+    """Whether the commit record of ``step`` on disk is this save's (not a stale one)."""
+    from incluster.format.sidecar import read_sidecar
+
+    try:
+        sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
+    except (OSError, CheckpointError):
+        return False
+    return job.layout is not None and sc.fingerprint == job.layout.fingerprint and sc.checksum.size == job.layout.total_size
 
 
 _spawn_pool: ThreadPoolExecutor | None = None
@@ -151,9 +163,12 @@ class SavePipeline:
 
     def _outcome(self, job: StageJob, handle: SaveHandle, fut: "Future[None]", writer: Writer) -> None:
         exc = fut.exception()
-        if exc is not None:
-            # The writer published its own failures; a dead writer could not.
-            self._fail(job, handle, exc, "commit", published=not isinstance(exc, WriterProcessDied), writer=writer)
+        if isinstance(exc, WriterProcessDied):
+            if not self._settle_orphan(job, handle, exc):
+                self._fail(job, handle, exc, "commit", published=True, writer=writer)
+                return
+        elif exc is not None:  # the writer published its own failures
+            self._fail(job, handle, exc, "commit", published=True, writer=writer)
             return
         self.ring.set_global(job.step)
         self.ring.drop_unheld(job.step)
@@ -161,6 +176,38 @@ class SavePipeline:
         if self.world_size > 1:
             self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
         handle.durable.set_result(None)
+
+    def _settle_orphan(self, job: StageJob, handle: SaveHandle, exc: BaseException) -> bool:
+        """The writer died with ``job.step`` in flight. It may have committed the step here
+        and counted it - even completed it on every rank - before it could say so: decide
+        the step once for every rank. True: it is durable after all (this rank keeps it, as
+        every other rank does); False: it is now published failed, so no rank waits for it."""
+        step, reason = job.step, f"commit: {type(exc).__name__}: {exc}"
+        final = os.path.join(self.folder, step_file(step))
+        on_disk = os.path.exists(final) and _sidecar_of(self.folder, step, job)  # the sidecar is written last
+        store = self._writer_params.store
+        if store is None:
+            durable = on_disk  # one rank: its local commit is the global one
+        else:
+            try:
+                durable = StoreCoordinator(store, self.rank, timeout=10).failed(step, reason) == Outcome.COMMITTED.value
+            except Exception:  # noqa: BLE001 - the store is gone too: the other ranks time out instead
+                return False
+            if durable and not on_disk:  # counted only after the commit: cannot happen
+                log.error("incluster: rank %d: step %d is complete on every rank but its copy here is "
+                          "missing; a restore takes it from a replica if there is one", self.rank, step)
+                return False
+        if not durable:
+            return False
+        if job.slot.step == step and job.slot.state is not SlotState.COMMITTED:
+            self.ring.mark_committed(job.slot, step, final)
+            handle.committed_s = time.perf_counter() - handle.started
+            self.events.record(ev.DURABLE, step=step, tier="local", seconds=handle.committed_s)
+        if not handle.persisted.done() and step not in self._uploads:
+            with contextlib.suppress(InvalidStateError):
+                handle.persisted.set_result(False)  # no upload was started for it
+        log.warning("incluster: rank %d: the writer died after committing step %d; the step is durable", self.rank, step)
+        return True
 
     def _persisted(self, step: int, err: str | None) -> None:
         """The writer finished (or skipped) a persistent upload: unpin its slot, report.

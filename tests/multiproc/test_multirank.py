@@ -137,6 +137,22 @@ def test_writer_killed_mid_commit(local_dir):
     _assert_restored(second, first, 2)
 
 
+def test_a_step_a_writer_counted_before_it_died_stays_durable_on_every_rank(local_dir):
+    """Rank 1's writer commits step 4 last, its count completes the step on every rank,
+    and it is SIGKILLed before telling its trainer. Rank 0 holds step 4 as durable, so
+    rank 1 must too: it used to un-commit its copy, so the newest step lacked rank 1 and
+    a restart went back to step 2 (with keep=1, to nothing)."""
+    fault = (FaultInjector().fail_at(rank=1, step=4, phase="commit", action="slow", seconds=2)
+             .fail_at(rank=1, step=4, phase="counted", action="kill").env())
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], env={"REPLICAS": "0"}, rank_env={1: fault})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    assert first[0]["errors"] == {} and first[1]["errors"] == {}, (first[0]["errors"], first[1]["errors"])
+    assert "SIGKILL" in job.output(1)  # the writer did die, and was replaced
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4, env={"REPLICAS": "0"})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 4)
+
+
 def test_a_killed_writer_is_replaced_and_replication_pairs_again(local_dir):
     """Rank 1's writer is SIGKILLed inside step 4's commit. A new writer takes over; both
     ranks pair their replication again; later steps are durable everywhere, with the

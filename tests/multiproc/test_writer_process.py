@@ -83,6 +83,23 @@ def test_a_save_in_flight_when_the_writer_dies_fails_and_the_next_one_lands(loca
         assert ck.load(target) == 3 and torch.equal(target["w"], torch.full((10,), 3.0))
 
 
+def test_a_step_the_writer_committed_before_it_died_stays_durable(local_dir, monkeypatch):
+    """SIGKILL after the writer committed step 2 (renamed, sidecar written, counted) but
+    before it told the trainer: the step is whole on disk, so it is durable - not
+    un-committed and reported lost."""
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="counted", step=2, action="kill").env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait()
+        pid = ck.writer_pid
+        ck.save(2, {"w": torch.full((10,), 2.0)}).wait()
+        monkeypatch.delenv("INCLUSTER_FAULTS")
+        _wait_for_new_writer(ck, pid)
+        assert os.path.exists(os.path.join(ck.folder, "step-000000000002.safetensors"))
+    target = {"w": torch.zeros(10)}
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        assert ck.load(target) == 2 and torch.equal(target["w"], torch.full((10,), 2.0))
+
+
 def test_a_writer_that_keeps_dying_is_started_again_only_so_often(local_dir):
     from incluster.saving import MAX_WRITER_RESTARTS
 

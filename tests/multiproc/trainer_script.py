@@ -8,7 +8,7 @@ right after the restore, the digest of the state at each save, and any save erro
 Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``ATTEMPT``, ``BN=1``
 (a BatchNorm layer and a large buffer, both changed in every forward pass), ``FORWARD_AFTER_LOAD=1``
 (one training-mode forward pass right after the restore, before anything waits),
-``NOWAIT=1`` (save handles never waited), ``SKIP_SAVES=4,6`` (this rank does not save those
+``REPLICAS=N`` (replicas per shard), ``NOWAIT=1`` (save handles never waited), ``SKIP_SAVES=4,6`` (this rank does not save those
 steps: a user error), ``WIRE_PIECE=N`` (a restore's transfers move N-byte pieces through the staged wire NCCL
 uses, with CPU buffers, ``WIRE_WINDOW`` per round; the result records the most buffer
 bytes any one transfer held).
@@ -71,7 +71,8 @@ def main() -> int:
     extra = {"step": -1, "rank": rank}
     state = {"model": model, "optim": optim, "extra": extra}
     ckpt = incluster.Checkpointer(
-        job="mp", writer=os.environ.get("WRITER", "process"), slot_timeout_s=float(os.environ.get("TIMEOUT_S", "30"))
+        job="mp", writer=os.environ.get("WRITER", "process"), slot_timeout_s=float(os.environ.get("TIMEOUT_S", "30")),
+        **({"replicas": int(os.environ["REPLICAS"])} if "REPLICAS" in os.environ else {}),
     )
     result: dict = {"rank": rank, "node": ckpt.config.node, "writer_pid": ckpt.writer_pid, "digests": {}, "errors": {}}
     result_path = os.path.join(out, f"result-r{rank}-{os.environ.get('ATTEMPT', '0')}.json")

@@ -17,6 +17,7 @@ under ``self._cond``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import mmap
@@ -220,6 +221,9 @@ class SlotRing:
                 return
             if slot.state is SlotState.COMMITTED:
                 self._discard(step)  # committed here, but not on every rank: never loadable
+            else:  # a writer that died (or failed) after writing the record, before saying so
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.folder, sidecar_file(step)))
             staging = os.path.join(self.folder, f"{STAGING_PREFIX}{slot.index}")
             final = os.path.join(self.folder, step_file(step))
             if os.path.exists(final):

@@ -7,6 +7,7 @@ processes the library starts itself (the writer process) and processes a test la
 
 Phases: ``stage`` (trainer, staging thread, before copying), ``commit`` (writer, before
 the checksum), ``sidecar`` (writer, after the rename, before the commit record),
+``counted`` (writer, after the commit is counted in the job store, before the trainer is told),
 ``replicate`` (writer, before exchanging replicas), ``upload`` (writer, after the
 shard's upload, before its sidecar and the manifest), ``load-transfer`` (every rank,
 after the copies are verified, before a restore moves or loads bytes; ``load`` is the
@@ -32,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENV = "INCLUSTER_FAULTS"
-PHASES = ("stage", "commit", "sidecar", "replicate", "upload", "load-transfer", "load", "allocate", "heal", "handoff")
+PHASES = ("stage", "commit", "sidecar", "counted", "replicate", "upload", "load-transfer", "load", "allocate", "heal", "handoff")
 _ALIASES = {"load": "load-transfer"}
 SLOW_S = 2.0
 ACTIONS = ("raise", "enospc", "slow", "kill", "hang")
