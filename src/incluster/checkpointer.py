@@ -134,6 +134,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
         self._store_server, address, targets, sources = wiring.start_store(self.config, self.rank, self.world_size)
         self._store_address = address
+        self._loads = 0  # load() calls so far: the n-th of every rank meet (recovery/meet.py)
         params = WriterParams(
             rank=self.rank,
             gen=next_generation(),

@@ -18,6 +18,7 @@ from incluster.config import Config
 from incluster.errors import CheckpointError
 from incluster.goodput import events as ev
 from incluster.recovery.heal import changing_pointers
+from incluster.recovery.meet import ArrivalWatch
 from incluster.recovery.restore import Context as RestoreContext
 from incluster.recovery.restore import RestoreReport, restore
 from incluster.staging.slots import SlotRing
@@ -47,6 +48,8 @@ class LoadPipeline:
     _job_derived: bool
     _closed: bool
     _errors: list[Any]
+    _store_address: Any
+    _loads: int
     # the Checkpointer's own (and SavePipeline's) methods this half calls
     wait: Callable[..., None]
     _check_usable: Callable[[], None]
@@ -80,7 +83,9 @@ class LoadPipeline:
             persistent=wiring.persistent_tier(self.config),
             rank_state=self.config.reshard_rank_state,
         )
-        report = restore(ctx, state)
+        self._loads += 1
+        with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
+            report = restore(ctx, state)
         self.last_restore = report
         heal = ctx.heal
         log.info("%s", report.line())

@@ -122,6 +122,17 @@ def test_replication_pairs_again_after_a_rank_skipped_a_save(local_dir, writer):
     _assert_restored(second, first, 12)
 
 
+def test_load_says_which_ranks_it_waits_for(local_dir):
+    """load() is collective; a rank that has not called it after a while is named (a rank
+    calling it alone used to wait in gloo for 30 min, silently). A late rank still joins."""
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], steps=2, env={"ARRIVAL_WARN_S": "1"},
+                             rank_env={1: {"LOAD_DELAY_S": "4"}})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    assert "rank 0 has waited 1 s in load() for rank(s) 1, which have not called it" in job.output(0)
+    assert "has waited" not in job.output(1)  # everyone was there when it came
+    assert first[0]["errors"] == {} and first[1]["errors"] == {}
+
+
 def test_writer_killed_mid_commit(local_dir):
     fault = FaultInjector().fail_at(rank=1, step=4, phase="commit", action="kill").env()
     codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], rank_env={1: fault})

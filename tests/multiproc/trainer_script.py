@@ -8,7 +8,8 @@ right after the restore, the digest of the state at each save, and any save erro
 Options by environment: ``WRITER`` (process|thread), ``TIMEOUT_S``, ``ATTEMPT``, ``BN=1``
 (a BatchNorm layer and a large buffer, both changed in every forward pass), ``FORWARD_AFTER_LOAD=1``
 (one training-mode forward pass right after the restore, before anything waits),
-``REPLICAS=N`` (replicas per shard), ``NOWAIT=1`` (save handles never waited), ``SKIP_SAVES=4,6`` (this rank does not save those
+``REPLICAS=N`` (replicas per shard), ``LOAD_DELAY_S`` (sleep before ``load()``),
+``ARRIVAL_WARN_S`` (how long ``load()`` waits for the other ranks before saying so), ``NOWAIT=1`` (save handles never waited), ``SKIP_SAVES=4,6`` (this rank does not save those
 steps: a user error), ``WIRE_PIECE=N`` (a restore's transfers move N-byte pieces through the staged wire NCCL
 uses, with CPU buffers, ``WIRE_WINDOW`` per round; the result records the most buffer
 bytes any one transfer held).
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -76,6 +78,11 @@ def main() -> int:
     )
     result: dict = {"rank": rank, "node": ckpt.config.node, "writer_pid": ckpt.writer_pid, "digests": {}, "errors": {}}
     result_path = os.path.join(out, f"result-r{rank}-{os.environ.get('ATTEMPT', '0')}.json")
+    if os.environ.get("ARRIVAL_WARN_S"):
+        from incluster.recovery import meet
+
+        meet.WARN_S = float(os.environ["ARRIVAL_WARN_S"])
+    time.sleep(float(os.environ.get("LOAD_DELAY_S", "0")))
     try:
         start = ckpt.load(state)
     except incluster.CheckpointError as exc:

@@ -238,3 +238,10 @@ def test_bounce_pool_grows_only_as_readers_need_buffers(tmp_path, monkeypatch):
         assert all(torch.equal(live[k], v) for k, v in saved.items())
         (pool,) = dl._pools.values()
         assert len(data) > 40 * pool.size and pool.count == 2 and len(pool.bufs) == 1
+
+
+def test_rank_lists_are_said_as_ranges():
+    from incluster.recovery.meet import _ranges
+
+    assert _ranges([1]) == "1"
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
