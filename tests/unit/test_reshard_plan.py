@@ -139,3 +139,16 @@ def test_plan_prefers_its_own_world_and_excludes_bad_copies():
     held = _holdings(2, 30, ["n0", "n1"])
     plan = make_plan(Topology.from_nodes(["n0", "n1", "n2"]), held, exclude={("n1", 1, 30)})
     assert plan.world == 2 and plan.server_of == [0, 0]  # old rank 1 only from n0 now
+
+
+def test_a_resized_job_missing_a_shard_names_the_old_worlds_rank():
+    """4 ranks saved step 21; old rank 2's shard is gone; the job restarts with 2 ranks.
+    The lacking shard is old rank 2 of 4 - not this world's ranks 0 and 1, which no copy
+    of an old-world step ever names."""
+    from incluster.recovery.plan import choose_step
+
+    holders = {(o, 21): [(f"n{o % 2}", 4)] for o in (0, 1, 3)}
+    step, world, missing, saved_by = choose_step(holders, 2)
+    assert step is None and missing == {21: [2]} and saved_by == {21: 4}
+    holders[(0, 21)].append(("n1", 2))  # a copy this world saved too: its ranks are named
+    assert choose_step(holders, 2)[2:] == ({21: [1]}, {})

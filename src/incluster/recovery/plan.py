@@ -54,6 +54,7 @@ class Plan:
     missing: dict[int, list[int]] = field(default_factory=dict)  # newest steps -> owners lacking
     world: int | None = None  # the chosen step's world size
     server_of: list[int] = field(default_factory=list)  # reshard: old rank -> current rank reading it
+    missing_world: dict[int, int] = field(default_factory=dict)  # of those: the world that saved it, if not this one
 
 
 Holders = Mapping[tuple[int, int], list[tuple[str, int]]]  # (owner, step) -> [(node, world)]
@@ -87,25 +88,33 @@ def nodes_of(holders: Holders, owner: int, step: int, world: int) -> list[str]:
 
 def choose_step(
     holders: Holders, world: int, rebuild: Callable[[int, int, int], bool] | None = None
-) -> tuple[int | None, int | None, dict[int, list[int]]]:
+) -> tuple[int | None, int | None, dict[int, list[int]], dict[int, int]]:
     """Newest step with a copy of every shard of the world that saved it (this job's
     world size preferred; ``rebuild(owner, step, world)``: that shard, with no copy, can be
-    rebuilt); that world size; and, for newer steps, which of this world's ranks lack a
-    copy."""
+    rebuilt); that world size; for newer steps, which ranks lack a copy - ranks of the
+    world that saved the step - and that world where it is not this one."""
     per_step: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     for (owner, step), copies in holders.items():
         for _, w in copies:
             per_step[step][w].add(owner)
     missing: dict[int, list[int]] = {}
+    saved_by: dict[int, int] = {}
     for step in sorted(per_step, reverse=True):
         by_world = per_step[step]
         unknown = by_world.get(ANY_WORLD, set())
-        for w in [world] + sorted((w for w in by_world if w > 0 and w != world), reverse=True):
+        worlds = [world] + sorted((w for w in by_world if w > 0 and w != world), reverse=True)
+        for w in worlds:
             have = {o for o in by_world.get(w, set()) | unknown if o < w}
             if len(have) == w or (rebuild is not None and all(rebuild(o, step, w) for o in range(w) if o not in have)):
-                return step, w, missing
-        missing[step] = sorted(set(range(world)) - by_world.get(world, set()) - unknown)
-    return None, None, missing
+                return step, w, missing, saved_by
+        # Name the lacking shards of the world that saved this step (an old world's after a
+        # resize, not this world's ranks, none of which it ever had).
+        w = world if world in by_world or len(worlds) == 1 else max(
+            worlds[1:], key=lambda x: (len({o for o in by_world[x] | unknown if o < x}) / x, x))
+        missing[step] = sorted(set(range(w)) - by_world.get(w, set()) - unknown)
+        if w != world:
+            saved_by[step] = w
+    return None, None, missing, saved_by
 
 
 def make_plan(
@@ -116,9 +125,9 @@ def make_plan(
     exclude = exclude or set()
     holders = index_holders(holdings, topo, exclude)
     stand_ins = StandIns(holdings, topo, exclude)
-    step, world, missing = choose_step(holders, topo.world_size, stand_ins.can_rebuild)
+    step, world, missing, saved_by = choose_step(holders, topo.world_size, stand_ins.can_rebuild)
     if step is None or world is None:
-        return Plan(None, [RankPlan(None) for _ in range(topo.world_size)], missing)
+        return Plan(None, [RankPlan(None) for _ in range(topo.world_size)], missing, missing_world=saved_by)
     ranks_on = defaultdict(list)
     for r, n in enumerate(topo.node_of):
         ranks_on[n].append(r)

@@ -82,9 +82,12 @@ def plan_round(
             plans = persisted
         elif plan.step is None and plan.missing:
             newest = max(plan.missing)
+            old = plan.missing_world.get(newest)
+            whose = f"rank(s) {plan.missing[newest]}" if old is None else (
+                f"the shard(s) of rank(s) {plan.missing[newest]} of the {old} ranks that saved it")
             msg = (
                 f"no step has a copy of every rank's shard on the current nodes: step {newest} lacks "
-                f"rank(s) {plan.missing[newest]}; older steps lack others"
+                f"{whose}; older steps lack others"
                 + ("" if ctx.persistent is None else ", and the persistent tier has no complete step")
                 + f". Configure a persistent tier (persistent=...) to survive this, or delete "
                 f"{os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
