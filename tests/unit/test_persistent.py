@@ -64,6 +64,25 @@ def test_ram_lost_restores_from_persistent_and_heals_ram(local_dir, tmp_path):
         ck.save(5, _state(5.0)).wait()  # and saving goes on from there
 
 
+def test_a_corrupt_persistent_shard_falls_back_to_the_older_step_and_is_named_once(local_dir, tmp_path, caplog):
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(6), persistent_keep=2)
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    shard = os.path.join(root, "p", "step-000000000004", "rank-00000.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    target = _state(0.0)
+    with caplog.at_level("INFO", logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+            assert ck.load(target) == 2 and torch.equal(target["w"], torch.full((5000,), 2.0))
+    notes = [r.getMessage() for r in caplog.records if "checksum mismatch" in r.getMessage()]
+    where = "rank 0's shard of persistent step 4"
+    assert notes and all(n.count(where) == 1 for n in notes), notes
+
+
 def test_in_cluster_copy_is_preferred_when_as_new(local_dir, tmp_path):
     root = str(tmp_path / "persist")
     _run(local_dir, root, range(5))

@@ -132,7 +132,7 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: 
             os.replace(tmp, final)
             write_sidecar(os.path.join(folder, sidecar_file(step)), sc)
         except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError) as exc:
-            return f"{where if 'where' in locals() else 'a persistent shard'}: {exc}"
+            return _named(where if 'where' in locals() else 'a persistent shard', exc)
     return None
 
 
@@ -167,5 +167,11 @@ def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[t
             ctx.ring.release(slot)
             raise
     except (OSError, ValueError, KeyError, CorruptCheckpointError) as exc:
-        return f"{where}: {exc}"
+        return _named(where, exc)
     return None
+
+
+def _named(where: str, exc: BaseException) -> str:
+    """``where: exc``, without naming the copy twice (verification names it already)."""
+    text = str(exc)
+    return text if text.startswith(where) else f"{where}: {text}"
