@@ -283,6 +283,27 @@ def test_truncated_shard_and_bad_sidecar_are_faults(cluster: dict[str, str], cap
     assert "rank 1 cannot be restored: all 2 of its copies are corrupt" in text
     code, text = inproc(capsys, "ls", *cluster.values())
     assert code == 0 and "unreadable sidecar" in text and "2/2" in text  # rank 1 still has one sidecar
+    # ls reads no shard bytes, but a shard file of the wrong size is not a usable copy
+    assert "every copy of rank 1 is damaged" in text and "damaged copy:" in text and "complete" not in text.replace(
+        "incomplete", ""), text
+
+
+def test_a_crash_leftover_newer_than_the_restorable_step_is_info_not_a_fault(cluster: dict[str, str],
+                                                                             capsys: Any) -> None:
+    """After a crash, a save only rank 0 committed (step 12) sits beside complete step 10:
+    a health check must not fail on it, and must say which step a restore would use."""
+    tensors, tree = rank_state(0)
+    write_shard(os.path.join(cluster["nodeA"], "j", "rank-00000"), job="j", step=12, rank=0, world=2, node="nodeA",
+                tensors=tensors, tree=tree)
+    code, text = inproc(capsys, "verify", *cluster.values())
+    assert code == 0 and "FAULT" not in text, text
+    assert "job j step 12: rank 1 has no copy" in text and "newest step with a good copy of every rank is 10" in text
+    code, text = inproc(capsys, "verify", *cluster.values(), "--step", "12")  # asked for: a fault
+    assert code == 1 and "rank 1 cannot be restored: it has no copy with a sidecar anywhere" in text, text
+    for node in cluster.values():  # nothing complete left at all: a fault
+        os.unlink(os.path.join(node, "j", "rank-00001", sidecar_file(10)))
+    code, text = inproc(capsys, "verify", *cluster.values())
+    assert code == 1 and "job j: no step has a good copy of every rank" in text, text
 
 
 def test_persistent_tier_is_listed_verified_and_exported(cluster: dict[str, str], tmp_path: Any,
@@ -305,6 +326,7 @@ def test_persistent_tier_is_listed_verified_and_exported(cluster: dict[str, str]
     (root / "j" / "step-000000000012").mkdir()  # an upload that never got its manifest
     code, text = inproc(capsys, "ls", str(root))
     assert code == 0 and "persistent" in text and "2/2" in text and "without a COMMITTED.json" in text, text
+    assert "damaged" not in text, text
     code, text = inproc(capsys, "verify", f"file://{root}/j", "--step", "10")
     assert code == 0 and "OK: 2 copies checked" in text, text
     code, text = inproc(capsys, "export", str(root), "--step", "10", "--to", "safetensors", str(tmp_path / "p.st"))
@@ -313,6 +335,9 @@ def test_persistent_tier_is_listed_verified_and_exported(cluster: dict[str, str]
     flip_byte(str(d / "rank-00001.safetensors"))
     code, text = inproc(capsys, "verify", *cluster.values(), "--persistent", str(root))
     assert code == 1 and "6 copies checked, 1 corrupt" in text and "rank-00001.safetensors: checksum mismatch" in text
+    os.truncate(d / "rank-00001.safetensors", 1000)  # ls sees a persistent shard of the wrong size too
+    code, text = inproc(capsys, "ls", str(root))
+    assert "every copy of rank 1 is damaged" in text and "rank-00001.safetensors: 1000 bytes on disk" in text, text
 
 
 def test_missing_dir_and_unknown_step(local_dir: str, capsys: Any) -> None:

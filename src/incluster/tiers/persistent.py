@@ -199,6 +199,15 @@ class FsspecTier:
             return []
         return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
 
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """The files directly under ``prefix`` and their sizes (one listing)."""
+        try:
+            with _BackendErrors(self, f"listing {prefix}"):
+                entries = self.fs.ls(self._p(prefix), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0) for e in entries}
+
     def close(self) -> None:
         pass
 

@@ -1,8 +1,9 @@
 """``incluster ls DIR...``: what is stored, step by step (sidecars and manifests only).
 
-Fast: reads commit records, never shard bytes (``incluster verify`` checks those). A
-step is *complete* when every rank 0..W-1 (W from the sidecars) has at least one copy
-with a readable sidecar, in any tier. Always exits 0 unless the DIRs cannot be read.
+Fast: reads commit records and the shard files' sizes, never shard bytes (``incluster
+verify`` checks those). A step is *complete* when every rank 0..W-1 (W from the sidecars)
+has at least one copy, in any tier, with a readable sidecar and a shard file of the size
+it records. Always exits 0 unless the DIRs cannot be read.
 """
 
 from __future__ import annotations
@@ -35,11 +36,17 @@ def status(ranks: dict[int, list[Copy]]) -> tuple[bool, str]:
     missing = missing_ranks(ranks)
     if missing:
         return False, f"incomplete: no copy of rank {ranges(missing)}"
+    damaged = missing_ranks(ranks, lambda c: c.sidecar is not None and c.damage is None) or []
+    if damaged:
+        return False, f"incomplete: every copy of rank {ranges(damaged)} is damaged"
     strays = sorted(r for r in ranks if r >= w)
     if strays:
         return False, f"inconsistent: rank {ranges(strays)} beyond world size {w}"
     bad = sum(1 for cs in ranks.values() for c in cs if c.error)
-    return True, f"complete ({bad} unreadable sidecar{'s' if bad != 1 else ''})" if bad else "complete"
+    hurt = sum(1 for cs in ranks.values() for c in cs if c.damage)
+    extra = [f"{bad} unreadable sidecar{'s' if bad != 1 else ''}"] * bool(bad) + \
+        [f"{hurt} damaged cop{'ies' if hurt != 1 else 'y'}"] * bool(hurt)
+    return True, f"complete ({', '.join(extra)})" if extra else "complete"
 
 
 def table(inv: Inventory, any_shared: bool) -> Table:
@@ -90,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     for c in inv.copies:
         if c.error:
             line(out, "[red]unreadable sidecar:[/]", c.error)
+        elif c.damage:
+            line(out, "[red]damaged copy:[/]", c.damage)
     for _, _, text in inv.problems:
         line(out, "[red]problem:[/]", text)
     for n in inv.notes:

@@ -28,6 +28,7 @@ class Copy:
     folder: str = ""  # local copies: the rank folder
     sidecar: Sidecar | None = None
     error: str | None = None  # why the sidecar is unusable (a fault)
+    damage: str | None = None  # the shard file is missing or not the size its sidecar says (seen by ls)
     remote: tuple[FsspecTier, str] | None = None  # persistent copies: tier and shard key
     manifest_checksum: Any = None  # persistent copies: what COMMITTED.json records
 
@@ -78,6 +79,15 @@ class Inventory:
             for copies in ranks.values():
                 copies.sort(key=lambda c: (TIER_ORDER[c.tier], c.where))
         return dict(sorted(out.items(), key=lambda kv: (kv[0][0], -kv[0][1])))
+
+
+def size_damage(where: str, size: int | None, sidecar: Sidecar) -> str | None:
+    """Why a shard file of ``size`` bytes (None: missing) cannot be the copy ``sidecar`` describes."""
+    if size is None:
+        return f"{where}: the shard file is missing"
+    if size != sidecar.checksum.size:
+        return f"{where}: {size} bytes on disk but the commit record says {sidecar.checksum.size} (truncated or padded)"
+    return None
 
 
 def world_size(ranks: dict[int, list[Copy]]) -> tuple[int | None, str | None]:

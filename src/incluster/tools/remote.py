@@ -20,7 +20,7 @@ from incluster.format.reader import ShardHeader, header_length, parse_header
 from incluster.format.sidecar import Sidecar
 from incluster.persist import MANIFEST, manifested_steps, step_dir
 from incluster.tiers.persistent import FsspecTier
-from incluster.tools.models import Copy, Inventory, Note
+from incluster.tools.models import Copy, Inventory, Note, size_damage
 
 _STEP_DIR = re.compile(r"^step-(\d{12,})$")
 _REMOTE_SIDECAR = re.compile(r"^rank-(\d{5})\.json$")
@@ -67,7 +67,8 @@ def _scan_remote_step(tier: FsspecTier, job: str, step: int, d: str, inv: Invent
         inv.problems.append((job, step, f"{where}: unreadable manifest ({exc}); this persistent step cannot be trusted"))
         return
     present = set()
-    for name in tier.list(d):
+    sizes = tier.list_sizes(d)
+    for name in sorted(sizes):
         if not (m := _REMOTE_SIDECAR.match(name)):
             continue
         rank = int(m.group(1))
@@ -79,6 +80,8 @@ def _scan_remote_step(tier: FsspecTier, job: str, step: int, d: str, inv: Invent
             if (sc.job, sc.rank, sc.step) != (job, rank, step):
                 raise CorruptCheckpointError(f"{copy.where}: sidecar describes job {sc.job!r} rank {sc.rank} step {sc.step}")
             copy.sidecar = sc
+            shard = f"rank-{rank:05d}.safetensors"
+            copy.damage = size_damage(f"{tier.url}/{d}/{shard}", sizes.get(shard), sc)
         except (ValueError, RecursionError) as exc:
             copy.error = f"{copy.where}: sidecar is not valid JSON ({exc})"
         except CorruptCheckpointError as exc:

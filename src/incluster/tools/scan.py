@@ -21,8 +21,8 @@ from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.format.sidecar import read_sidecar
 from incluster.persist import MANIFEST
 from incluster.staging.slots import STAGING_PREFIX
-from incluster.tiers.local import ShardReader
-from incluster.tools.models import Copy, Inventory, Note
+from incluster.tiers.local import ShardReader, data_path
+from incluster.tools.models import Copy, Inventory, Note, size_damage
 from incluster.tools.remote import BytesShard, scan_persistent
 
 _RANK_DIR = re.compile(r"^rank-(\d{5})$")
@@ -103,6 +103,8 @@ def _scan_rank(folder: str, job: str, rank: int, inv: Inventory) -> None:
                     )
                 copy.sidecar = sc
                 copy.tier = "replica" if "replica_on" in sc.extra else "ram"
+                shard = data_path(folder, sc)
+                copy.damage = size_damage(shard, os.path.getsize(shard) if os.path.isfile(shard) else None, sc)
             except CorruptCheckpointError as exc:
                 copy.error = str(exc)
             inv.copies.append(copy)

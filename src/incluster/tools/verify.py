@@ -1,9 +1,12 @@
 """``incluster verify DIR... [--step N]``: check every stored copy, byte for byte.
 
 Each copy is read through the same strict path a restore uses (sidecar, size, every
-chunk checksum, the header, and every tensor the state tree names). Exits 1 if any copy
-is corrupt or any step checked lacks a good copy of some rank, printing the file and the
-reason for each fault; leftovers of crashes and spare slots are reported as info only.
+chunk checksum, the header, and every tensor the state tree names). Exits 1 on a fault,
+printing the file and the reason for each: a corrupt copy, a rank all of whose copies
+are corrupt, a job with no step every rank has a good copy of, or - with ``--step`` -
+that step lacking a rank. A step some rank has no copy of at all is what a crash leaves
+(a save in flight, never committed on every rank) or a lost node: info, naming the
+newest step a restore would use. Leftovers of crashes and spare slots are info too.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     for col in ("job", "step", "ranks ok", "copies ok", "verified", "result"):
         summary.add_column(col, justify="right" if col in ("step", "ranks ok", "copies ok", "verified") else "left")
     incomplete = 0
+    infos: list[str] = []
+    restorable: dict[str, int] = {}  # job -> newest step with a good copy of every rank
     for (job, step), ranks in steps.items():
         good = [c for cs in ranks.values() for c in cs if results[id(c)] is None]
         bad = [c for cs in ranks.values() for c in cs if results[id(c)] is not None]
@@ -55,10 +60,18 @@ def run(args: argparse.Namespace) -> int:
             lacking = [r for r in range(w) if not any(results[id(c)] is None for c in ranks.get(r, []))]
             for r in lacking:
                 n = len(ranks.get(r, []))
-                reason = f"all {n} of its copies are corrupt" if n else "it has no copy with a sidecar anywhere"
-                faults.append(f"job {job} step {step}: rank {r} cannot be restored: {reason}")
+                if n:
+                    faults.append(f"job {job} step {step}: rank {r} cannot be restored: all {n} of its copies are corrupt")
+                elif args.step is not None:
+                    faults.append(f"job {job} step {step}: rank {r} cannot be restored: it has no copy with a sidecar anywhere")
+            absent = [r for r in lacking if not ranks.get(r)]
+            if absent and args.step is None:
+                infos.append(f"job {job} step {step}: rank {ranges(absent)} has no copy: a save not committed on every "
+                             f"rank (in flight at a crash, or failed), or copies lost with their node; not restorable")
             if lacking:
                 words.append(f"incomplete: rank {ranges(lacking)} lost")
+            elif job not in restorable:  # steps come newest first
+                restorable[job] = step
         if w is None or lacking:
             incomplete += 1
         if bad:
@@ -68,14 +81,21 @@ def run(args: argparse.Namespace) -> int:
                         human(sum(c.nbytes for c in good)),
                         f"[red]{'; '.join(words)}[/]" if words else "[green]ok[/]")
     faults.extend(problems)
+    if args.step is None:
+        for job in sorted({job for job, _ in steps} - set(restorable)):
+            faults.append(f"job {job}: no step has a good copy of every rank; a restore finds nothing to load")
     out.print(summary)
     for f in faults:
         line(out, "[red]FAULT:[/]", f)
+    for text in infos:
+        line(out, "[dim]info:[/]", text)
     for note in inv.notes:
         line(out, "[dim]info:[/]", f"{note.path}: {note.what} (not a fault)")
+    for job, step in sorted(restorable.items()):
+        line(out, "[green]restorable:[/]", f"job {job}: newest step with a good copy of every rank is {step}")
     corrupt = sum(1 for c in copies if results[id(c)] is not None)
     verdict = "[red]FAILED[/]" if faults else "[green]OK[/]"
     out.print(f"{verdict}: {len(copies)} cop{'y' if len(copies) == 1 else 'ies'} checked, {corrupt} corrupt, {len(steps)} step{'s' if len(steps) != 1 else ''}, {incomplete} incomplete, "
-              f"{len(faults)} fault{'s' if len(faults) != 1 else ''}, {len(inv.notes)} info")
+              f"{len(faults)} fault{'s' if len(faults) != 1 else ''}, {len(inv.notes) + len(infos)} info")
     return 1 if faults else 0
 
