@@ -26,6 +26,7 @@ import torch
 from incluster import config as _config
 from incluster import ramdisk, reserve
 from incluster import wiring
+from incluster.claim import Claim
 from incluster.errors import CheckpointError, PeerTimeoutError
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
@@ -125,6 +126,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 f"folder this process can write, in the node's RAM disk (e.g. /dev/shm/incluster)"
             ) from exc
         _refuse_links(os.path.dirname(self.folder), self.folder)
+        self._claim = Claim(os.path.dirname(self.folder), self.config.job, self.rank)  # one live run per job and rank
+        weakref.finalize(self, self._claim.release)  # also when this __init__ fails below
         reserve.ensure(reserve.reserve_path(os.path.dirname(self.folder), self.rank))  # see reserve.py
         # With a persistent tier the ring has one more slot: a slow upload never holds up saves.
         slots = self.config.keep + (1 if self.config.persistent else 0)
@@ -409,6 +412,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             self._store_server = None
             self.events.record(ev.END)
             self.events.close()
+            self._claim.release()
 
     def _staging_idle(self, timeout: float) -> bool:
         """Wait (bounded) until the staging thread has finished what it was given."""

@@ -1,0 +1,66 @@
+"""One live Checkpointer per job, rank and RAM folder.
+
+Two runs that share a job name and ``local_dir`` would adopt, overwrite and recycle each
+other's slots (one resumed the other's step, then both failed with a vanished staging
+file). Each Checkpointer holds an exclusive ``flock`` on ``<local_dir>/<job>/.claim-<rank>``
+for its lifetime: a POSIX record lock, which the kernel drops when the process dies (a
+SIGKILLed run never blocks its restart) and which processes forked later (data-loader
+workers) do not inherit, so none keeps it after ``close()``. Within one process a set
+of held claims does the same. A second claim is refused, naming who holds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import sys
+import threading
+
+from incluster.errors import CheckpointError
+
+_PREFIX = ".claim-"
+_held: set[str] = set()  # this process's claims (record locks never conflict within a process)
+_held_lock = threading.Lock()
+
+
+class Claim:
+    def __init__(self, job_folder: str, job: str, rank: int) -> None:
+        self.path = os.path.realpath(os.path.join(job_folder, f"{_PREFIX}{rank:05d}"))
+        self._fd: int | None = None
+        where = f"job {job!r} rank {rank} is in use in {os.path.dirname(job_folder)} by "
+        with _held_lock:
+            if self.path in _held:
+                raise CheckpointError(where + "another Checkpointer of this process: close() it first")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                holder = _read(fd)
+                os.close(fd)
+                if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                raise CheckpointError(
+                    where + f"process {holder or '(unknown)'}: two runs with one job name would overwrite each "
+                    f"other's checkpoints; give this run its own job= (or INCLUSTER_JOB) or local_dir, or stop "
+                    f"the other") from None
+            _held.add(self.path)
+            self._fd = fd
+        me = f"{os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv)[:200]})".encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me, 0)
+
+    def release(self) -> None:
+        with _held_lock:
+            if self._fd is not None:
+                os.close(self._fd)  # the lock goes with it; the file stays (no unlink race)
+                self._fd = None
+                _held.discard(self.path)
+
+
+def _read(fd: int) -> str:
+    try:
+        return os.pread(fd, 512, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""

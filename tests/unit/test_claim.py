@@ -1,0 +1,64 @@
+"""One live Checkpointer per job, rank and RAM folder: a second run with the same job
+name is refused (it used to resume the first run's step and then overwrite its slots),
+while a SIGKILLed run never blocks its restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import incluster
+
+HOLD = """
+import sys, time, incluster
+ck = incluster.Checkpointer(local_dir=sys.argv[1], job="same", writer="thread")
+ck.save(1, {"w": __import__("torch").ones(4)}).wait()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_with_the_same_job_name_is_refused_until_the_first_is_gone(local_dir):
+    first = subprocess.Popen([sys.executable, "-c", HOLD, local_dir], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "ready"
+        with pytest.raises(incluster.CheckpointError, match=rf"job 'same' rank 0 is in use .* by process {first.pid} "
+                                                            r".*give this run its own job="):
+            incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread")
+        with incluster.Checkpointer(local_dir=local_dir, job="other", writer="thread") as ck:  # another name: fine
+            ck.save(1, {"w": torch.ones(4)}).wait()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    target = {"w": torch.zeros(4)}
+    with incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread") as ck:  # the killed run's claim is gone
+        assert ck.load(target) == 1 and torch.equal(target["w"], torch.ones(4))
+
+
+def test_two_live_checkpointers_of_one_job_in_one_process_are_refused(local_dir):
+    with incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread"):
+        with pytest.raises(incluster.CheckpointError, match="another Checkpointer of this process: close"):
+            incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread")
+    incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread").close()  # closed: free again
+
+
+def test_a_process_forked_while_the_claim_was_held_does_not_keep_it(local_dir):
+    """Data-loader workers fork from the trainer; one still alive must not block the next
+    Checkpointer of the same job after close()."""
+    ck = incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread")
+    pid = os.fork()
+    if pid == 0:  # the "worker": outlives the close below
+        time.sleep(5)
+        os._exit(0)
+    try:
+        ck.close()
+        incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread").close()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
