@@ -115,8 +115,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
                          "name it, e.g. to resume it from another launch)", self.config.job)
         if self.world_size == 1 and isinstance(options.get("replicas"), int) and options["replicas"] > 0:
             log.warning("incluster: replicas=%d asked for, but this job is one process: there is no other node to "
-                        "hold a copy, so its checkpoints live in this node's RAM only (add persistent= for a copy "
-                        "that outlives the node)", options["replicas"])
+                        "hold a copy, so its checkpoints live in this node's RAM%s", options["replicas"],
+                        " and the persistent tier" if self.config.persistent else
+                        " only (add persistent= for a copy that outlives the node)")
         try:
             os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
         except OSError as exc:

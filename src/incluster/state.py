@@ -249,6 +249,15 @@ class _Flattener:
         if self.allow_pickle:
             data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
             return {"P": self.add_tensor(torch.frombuffer(data, dtype=torch.uint8), path)}
+        import torch.utils.data as tud
+
+        if isinstance(obj, tud.DataLoader):
+            raise CheckpointError(
+                f"{path}: a plain torch DataLoader has no state to save (its position is not "
+                f"restorable, and pickling it would store its whole dataset); use a stateful one - "
+                f"torchdata.stateful_dataloader.StatefulDataLoader is a drop-in replacement - or leave it out "
+                f"and keep the position yourself (e.g. the step in a dict)"
+            )
         raise CheckpointError(
             f"{path}: cannot checkpoint a {type(obj).__module__}.{type(obj).__qualname__}; store "
             f"tensors, Modules, Optimizers, objects with state_dict()/load_state_dict(), "

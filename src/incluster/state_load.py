@@ -45,7 +45,12 @@ class _Loader:
             raise CheckpointError(f"{path}: malformed tree node in the checkpoint record")
         if "S" in node:
             if live is None or not is_stateful(live):
-                raise CheckpointError(f"{path}: the checkpoint holds a {node['S']} here; pass the live object")
+                what = "nothing" if live is None else f"a {type(live).__module__}.{type(live).__qualname__}"
+                saved = {"module": "a torch Module", "optimizer": "a torch Optimizer"}.get(
+                    str(node["S"]), "an object with state_dict()/load_state_dict() (a stateful data loader, a scheduler...)")
+                raise CheckpointError(
+                    f"{path}: the checkpoint holds the state of {saved} here, but the live state has {what}, "
+                    f"which cannot take it; pass an object of the kind that was saved")
             self.stateful(node, live, path)
             return live
         if "T" in node:

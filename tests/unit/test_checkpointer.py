@@ -436,3 +436,13 @@ def test_an_earlier_saves_error_raised_by_save_says_that_step_was_not_saved(loca
         ck.save(4, {"w": torch.full((100,), 4.0)}).wait()
     with incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread") as ck:
         assert ck.load({"w": torch.zeros(100)}) == 4
+
+
+def test_replicas_in_a_one_process_job_warns_without_advising_a_tier_it_has(local_dir, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="incluster"):
+        incluster.Checkpointer(local_dir=local_dir, job="r1", writer="thread", replicas=1).close()
+        incluster.Checkpointer(local_dir=local_dir, job="r2", writer="thread", replicas=1,
+                               persistent=str(tmp_path / "p")).close()
+    said = [r.getMessage() for r in caplog.records if "replicas=1 asked for" in r.getMessage()]
+    assert len(said) == 2 and "add persistent=" in said[0], said
+    assert "add persistent=" not in said[1] and "RAM and the persistent tier" in said[1], said

@@ -204,3 +204,34 @@ def test_a_sharded_tensor_is_refused_with_the_fix(tmp_path):
             flatten({"model": Sharded()})
     finally:
         dist.destroy_process_group()
+
+
+def test_a_plain_dataloader_is_refused_with_the_stateful_replacement_named():
+    import torch.utils.data as tud
+
+    from incluster.state import flatten
+
+    loader = tud.DataLoader(tud.TensorDataset(torch.arange(10.0)), batch_size=2)
+    with pytest.raises(CheckpointError, match=r"loader: a plain torch DataLoader has no state.*StatefulDataLoader"):
+        flatten({"loader": loader, "w": torch.ones(2)})
+
+
+def test_a_saved_stateful_object_loaded_into_a_plain_value_names_both(local_dir):
+    import incluster
+
+    class Counter:
+        def __init__(self):
+            self.n = 3
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    with incluster.Checkpointer(local_dir=local_dir, job="s", writer="thread") as ck:
+        ck.save(1, {"loader": Counter(), "w": torch.ones(2)}).wait()
+    with incluster.Checkpointer(local_dir=local_dir, job="s", writer="thread") as ck:
+        with pytest.raises(CheckpointError, match=r"loader: the checkpoint holds the state of an object with "
+                                                  r"state_dict\(\).*the live state has a builtins.list"):
+            ck.load({"loader": [1, 2], "w": torch.zeros(2)})
