@@ -169,3 +169,46 @@ def test_state_for_round_trip(local_dir):
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved_opt)
     assert sched.get_last_lr() == [0.025] and counter.n == 5 and acc.step == 3 and extra == {"tokens": 96}
     assert random.random() == expect[0] and torch.equal(torch.rand(3), expect[1]), "RNG states not restored"
+
+
+def test_saves_that_a_resume_cannot_reproduce_are_named(local_dir, caplog):
+    """A save mid gradient accumulation (its gradients are not saved) and a loop that never
+    iterates batches() (no data position): each is said once, with the fix."""
+    require("accelerate", "accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from incluster.integrations.accelerate import AcceleratorCheckpoint
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    ac = AcceleratorCheckpoint(acc, incluster.Checkpointer(local_dir=local_dir, job="ga", writer="thread"))
+    with caplog.at_level("WARNING", logger="incluster"):
+        for i, (x,) in enumerate(loader):  # the loader itself, not ac.batches(): no position
+            with acc.accumulate(model):
+                acc.backward(model(x).sum())
+                opt.step()
+                opt.zero_grad()
+            ac.save(i + 1)  # batch 1 ends mid accumulation; batch 2 on an optimizer step
+        ac.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("middle of gradient accumulation" in m for m in said) == 1, said
+    assert sum("saved without a data position" in m and "batches()" in m for m in said) == 1, said
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_a_resume_with_another_number_of_processes_is_refused_by_name():
+    from incluster.integrations.rng import refuse_resize
+    from incluster.recovery.restore import RestoreReport
+
+    ck = type("Ck", (), {"world_size": 1, "last_restore": RestoreReport(0, "n0", 8, source="reshard", old_world=2)})()
+    with pytest.raises(CheckpointError, match=r"step 8 was saved by 2 process\(es\) and this run has 1: why.*Resume with 2"):
+        refuse_resize(ck, "why")
+    ck.last_restore = RestoreReport(0, "n0", 8, source="local")
+    refuse_resize(ck, "why")  # the same world: nothing to say

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from incluster.errors import CheckpointError
 from incluster.integrations.hf_state import DataPosition, RngState, loader_generators, set_generators
+from incluster.integrations.rng import refuse_resize
 
 __all__ = ["AcceleratorCheckpoint", "state_for", "RngState", "DataPosition"]
 
@@ -108,6 +109,8 @@ class AcceleratorCheckpoint:
         self.position = DataPosition()
         self._rng = RngState()
         self._skip: tuple[int, int] | None = None  # (epoch, batches) the resumed epoch skips, once
+        self._iterated = False  # batches() was used: the data position is real
+        self._warned: set[str] = set()
 
     @property
     def epoch(self) -> int:
@@ -122,12 +125,29 @@ class AcceleratorCheckpoint:
 
     def save(self, step: int) -> Any:
         """Start saving everything as ``step``; returns the ``SaveHandle`` at once."""
+        if not getattr(self.accelerator, "sync_gradients", True):
+            self._warn("accumulating", (
+                f"step {step} is saved in the middle of gradient accumulation (accelerator.sync_gradients is "
+                f"False): the gradients accumulated so far are not part of a checkpoint, so a run resumed from "
+                f"it differs from the uninterrupted one; save right after an optimizer step "
+                f"(when accelerator.sync_gradients is True)"))
+        if not self._iterated:
+            self._warn("position", (
+                f"step {step} is saved without a data position: the loop does not iterate "
+                f"AcceleratorCheckpoint.batches(loader, epoch), so a resumed run starts its epochs over; "
+                f"iterate batches() (see the module's loop)"))
         return self.checkpointer.save(step, self.state())
+
+    def _warn(self, kind: str, text: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("incluster: %s (said once)", text)
 
     def load(self) -> int | None:
         """Restore the newest step every rank can recover (never an incomplete one), in
         place; returns it, or None when the job has none. Collective."""
         step = self.checkpointer.load(self.state())
+        refuse_resize(self.checkpointer, "accelerate's data position and RNG states are per process")
         if step is not None:
             self._skip = (self.position.epoch, self.position.batches)
             log.info("incluster: resuming at step %d, epoch %d after %d batches",
@@ -150,6 +170,7 @@ class AcceleratorCheckpoint:
                 "batches() resumes by skipping batches, which accelerate does not allow for a "
                 "StatefulDataLoader; prepare the dataloader without use_stateful_dataloader"
             )
+        self._iterated = True
         pos = self.position
         resumed = self._skip is not None and self._skip[0] == epoch
         skip = self._skip[1] if resumed and self._skip is not None else 0

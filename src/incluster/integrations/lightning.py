@@ -43,6 +43,8 @@ _NAMES = ("InclusterDDPStrategy", "InclusterFSDPStrategy", "InclusterModelParall
 class _CheckpointHooks:
     """The callback's behaviour; mixed with the package's ``Callback`` in :func:`for_package`."""
 
+    _incluster_saves = True  # what the strategy looks for: something saves to incluster
+
     def __init__(self, every_n_steps: int, *, rng: bool = True) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an int >= 1 (got {every_n_steps!r})")

@@ -23,6 +23,7 @@ from incluster import Checkpointer
 from incluster.errors import CheckpointError
 from incluster.handle import SaveHandle
 from incluster.integrations import lightning_state as ls
+from incluster.integrations.rng import refuse_resize
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,11 @@ class InclusterStrategyMixin:
         fitting = getattr(trainer.state.fn, "value", None) == "fit"
         state = ls.template(model, optimizers if fitting else [])
         step = self.incluster.load(state)
+        refuse_resize(self.incluster, "Lightning's loop and data-loader positions and each rank's RNG are per process")
         self.incluster_restored_step = step
+        if not any(getattr(cb, "_incluster_saves", False) for cb in getattr(trainer, "callbacks", [])):
+            log.warning("incluster: this fit resumes from incluster but has no InclusterCheckpoint callback, so it "
+                        "saves nothing there; add callbacks=[InclusterCheckpoint(every_n_steps=N)]")
         if step is None:
             log.info("incluster: job %r has no checkpoint yet; training starts from scratch", self.incluster.config.job)
             return _NoCheckpoint(trainer)

@@ -76,3 +76,17 @@ class RngState:
         them while skipping to the saved position)."""
         if self.loaded is not None:
             self.load_state_dict(self.loaded)
+
+
+def refuse_resize(ckpt: Any, why: str) -> None:
+    """After a framework's ``load()``: a step saved by another number of processes cannot
+    continue the saved run (``why``), so say so now rather than train on other data."""
+    report = getattr(ckpt, "last_restore", None)
+    if report is None or report.source != "reshard" or report.old_world is None:
+        return
+    raise CheckpointError(
+        f"step {report.step} was saved by {report.old_world} process(es) and this run has {ckpt.world_size}: "
+        f"{why}, so the run cannot go on as the saved one. Resume with {report.old_world} process(es); to "
+        f"change the number, load the model and optimizer with a plain incluster.Checkpointer (or "
+        f"`incluster export --to dcp`) and start the loop afresh"
+    )

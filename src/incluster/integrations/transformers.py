@@ -95,6 +95,13 @@ class InclusterTrainerMixin:
     # -- train --------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._ic_refuse_unsupported()
+        if not resume_from_checkpoint:
+            held = [sl.step for sl in self.checkpointer.ring.slots if sl.step is not None]
+            if held:
+                log.warning("incluster: job %r already holds step %d on this node from an earlier run, and train() "
+                            "starts without resume_from_checkpoint=True: saves of lower steps will be refused. Pass "
+                            "resume_from_checkpoint=True to continue it, or name a new job to start afresh",
+                            self.checkpointer.config.job, max(held))
         if resume_from_checkpoint is True:
             self._ic_folder = tempfile.mkdtemp(prefix="incluster-trainer-resume-")
             resume_from_checkpoint = self._ic_folder
