@@ -128,7 +128,14 @@ class Checkpointer(SavePipeline, LoadPipeline):
             ) from exc
         _refuse_links(os.path.dirname(self.folder), self.folder)
         self._claim = Claim(os.path.dirname(self.folder), self.config.job, self.rank)  # one live run per job and rank
-        weakref.finalize(self, self._claim.release)  # also when this __init__ fails below
+        try:
+            self._start()
+        except BaseException:
+            self._abandon()  # nothing half-started outlives a failed __init__: a retry can claim again
+            raise
+
+    def _start(self) -> None:
+        """The rest of ``__init__``, after this run claimed its job and rank."""
         reserve.ensure(reserve.reserve_path(os.path.dirname(self.folder), self.rank))  # see reserve.py
         # With a persistent tier the ring has one more slot: a slow upload never holds up saves.
         slots = self.config.keep + (1 if self.config.persistent else 0)
@@ -191,6 +198,22 @@ class Checkpointer(SavePipeline, LoadPipeline):
             ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
         )
         self.events.record(ev.START, world_size=self.world_size, node=self.config.node)
+
+    def _abandon(self) -> None:
+        """``__init__`` failed after the claim: stop what it started, release the claim."""
+        for part, stop in (("_guard", lambda g: g.close()), ("_writer", lambda w: w.close(1.0)),
+                           ("_stage_pool", lambda p: p.shutdown(wait=False)), ("ring", lambda r: r.close()),
+                           ("events", lambda e: e.close())):
+            if hasattr(self, part):
+                try:
+                    stop(getattr(self, part))
+                except Exception:  # noqa: BLE001 - the original error is the one to see
+                    pass
+        server = getattr(self, "_store_server", None)
+        if server is not None:
+            self._store_server = None
+        self._closed = True
+        self._claim.release()
 
     @property
     def gpu_snapshot_active(self) -> bool:

@@ -25,6 +25,15 @@ _held: set[str] = set()  # this process's claims (record locks never conflict wi
 _held_lock = threading.Lock()
 
 
+def _forked() -> None:
+    global _held_lock
+    _held.clear()  # a forked child holds no record lock, so none of the parent's claims
+    _held_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class Claim:
     def __init__(self, job_folder: str, job: str, rank: int) -> None:
         self.path = os.path.realpath(os.path.join(job_folder, f"{_PREFIX}{rank:05d}"))
@@ -39,6 +48,9 @@ class Claim:
             except OSError as exc:
                 holder = _read(fd)
                 os.close(fd)
+                if exc.errno == errno.ENOLCK:  # a filesystem without record locks: no claim, as before
+                    self._fd = None
+                    return
                 if exc.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
                 raise CheckpointError(

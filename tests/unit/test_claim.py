@@ -62,3 +62,13 @@ def test_a_process_forked_while_the_claim_was_held_does_not_keep_it(local_dir):
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_checkpointer_that_failed_to_start_leaves_its_claim_free(local_dir, writer):
+    """A user who fixes a bad option and tries again was told the job was in use by a
+    Checkpointer of this process - one they never got to close."""
+    with pytest.raises(Exception):
+        incluster.Checkpointer(local_dir=local_dir, job="same", writer=writer, run_dir="/proc/nope/x")
+    with incluster.Checkpointer(local_dir=local_dir, job="same", writer=writer) as ck:
+        ck.save(1, {"w": torch.ones(4)}).wait()
