@@ -63,6 +63,11 @@ class LoadPipeline:
         The decision is kept in ``last_restore`` and logged in one line per rank."""
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
+        self._loads += 1  # first: every rank's n-th call is the same call, whatever fails below
+        with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
+            return self._load(state)
+
+    def _load(self, state: Mapping[str, Any]) -> int | None:
         try:
             self.wait()  # saves in flight end first; their failures are superseded by the restore
         except CheckpointError as exc:
@@ -83,9 +88,7 @@ class LoadPipeline:
             persistent=wiring.persistent_tier(self.config),
             rank_state=self.config.reshard_rank_state,
         )
-        self._loads += 1
-        with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
-            report = restore(ctx, state)
+        report = restore(ctx, state)
         self.last_restore = report
         heal = ctx.heal
         log.info("%s", report.line())

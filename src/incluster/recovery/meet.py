@@ -31,9 +31,10 @@ class ArrivalWatch:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _keys(self) -> list[str]:
+    def _key(self, rank: int | None = None) -> str:
         assert self.addr is not None
-        return [f"incluster/{self.addr.job}/arrived/{self.what}/{self.n}/{r}" for r in range(self.addr.world_size)]
+        base = f"incluster/{self.addr.job}/arrived/{self.what}/{self.n}"
+        return base if rank is None else f"{base}/{rank}"
 
     def __enter__(self) -> "ArrivalWatch":
         if self.addr is None or self.addr.world_size < 2:
@@ -43,7 +44,8 @@ class ArrivalWatch:
 
             store = TCPStore(self.addr.host, self.addr.port, is_master=False,
                              timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
-            store.set(self._keys()[self.rank], "1")
+            store.set(self._key(self.rank), "1")  # who: read once, only to name the missing
+            store.add(self._key(), 1)  # how many: one O(1) request per poll
         except Exception as exc:  # noqa: BLE001 - only a diagnostic: the call itself goes on
             log.debug("incluster: rank %d: arrival at %s not recorded: %s", self.rank, self.what, exc)
             return self
@@ -52,17 +54,20 @@ class ArrivalWatch:
         return self
 
     def _watch(self, store: Any) -> None:
-        keys = self._keys()
+        assert self.addr is not None
+        world = self.addr.world_size
         waited = 0.0
         while not self._done.wait(POLL_S):
             waited += POLL_S
             try:
-                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                if int(store.add(self._key(), 0)) >= world:
+                    return
+                if waited < self.warn_s:
+                    continue
+                missing = [r for r in range(world) if not store.check([self._key(r)])]
             except Exception:  # noqa: BLE001 - the store went away: nothing more to say
                 return
-            if not missing:
-                return
-            if waited >= self.warn_s:
+            if missing:
                 log.warning(
                     "incluster: rank %d has waited %.0f s in %s for rank(s) %s, which have not called it: "
                     "%s is collective - every rank must call it, with the same Checkpointer settings (not "
