@@ -161,6 +161,17 @@ class StoreCoordinator:
         value = f"{Outcome.FAILED.value}:{self.rank}:{reason.replace(chr(10), ' ')[:500]}"
         return self.store.compare_set(self._k("o", step), "", value).decode()
 
+    def settle(self, step: int, reason: str) -> str:
+        """A writer died with ``step`` in flight: decide the step for every rank, once.
+        Complete if every copy was counted (the dead writer's count may have completed it
+        before it could publish so), else failed; returns the outcome as it now stands."""
+        if int(self.store.add(self._k("c", step), 0)) >= self.addr.quorum:
+            got = self.store.compare_set(self._k("o", step), "", Outcome.COMMITTED.value).decode()
+            if got == Outcome.COMMITTED.value:
+                self._raise_latest(step)
+            return got
+        return self.failed(step, reason)
+
     def wait_outcome(self, step: int, timeout: float) -> None:
         key = self._k("o", step)
         try:

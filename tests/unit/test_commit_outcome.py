@@ -40,3 +40,23 @@ def test_commits_in_time_are_durable_for_every_rank(two_ranks):
     r0.wait_outcome(7, timeout=5)
     r1.wait_outcome(7, timeout=5)
     assert r0.store.get("incluster/outcome-test/latest").decode() == "7"
+
+
+def test_a_dead_writers_step_is_settled_complete_when_every_copy_was_counted(two_ranks):
+    """Rank 1's writer counted the last copy of step 9 and died before publishing it:
+    every copy is committed, so the step is complete for every rank, not failed."""
+    r0, r1 = two_ranks
+    r0.committed(9)
+    r1.store.add("incluster/outcome-test/c/9", 1)  # the dead writer's count, without its compare-and-set
+    assert r1.settle(9, "writer died") == "ok"
+    r0.wait_outcome(9, timeout=5)
+    assert r0.store.get("incluster/outcome-test/latest") == b"9"
+
+
+def test_a_dead_writers_step_missing_copies_is_failed_for_every_rank(two_ranks):
+    r0, r1 = two_ranks
+    r0.committed(11)
+    assert r1.settle(11, "writer died").startswith("fail:1:writer died")
+    r1.committed(11)  # a late count cannot make it durable any more
+    with pytest.raises(CommitError, match="step 11 failed on rank 1 .*writer died"):
+        r0.wait_outcome(11, timeout=5)
