@@ -69,6 +69,7 @@ class Inventory:
     copies: list[Copy] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)
     problems: list[tuple[str, int, str]] = field(default_factory=list)  # (job, step, fault) outside any one copy
+    folders: set[tuple[str, int]] = field(default_factory=set)  # (job, rank) with a folder (or tier entry) scanned
 
     def steps(self) -> dict[tuple[str, int], dict[int, list[Copy]]]:
         """``(job, step) -> rank -> copies``, each rank's copies in tier order."""

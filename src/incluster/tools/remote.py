@@ -73,6 +73,7 @@ def _scan_remote_step(tier: FsspecTier, job: str, step: int, d: str, inv: Invent
             continue
         rank = int(m.group(1))
         present.add(rank)
+        inv.folders.add((job, rank))
         copy = Copy(job, step, rank, "persistent", f"{tier.url}/{d}/{name}",
                     remote=(tier, f"{d}/rank-{rank:05d}.safetensors"), manifest_checksum=listed.get(rank))
         try:
@@ -87,6 +88,7 @@ def _scan_remote_step(tier: FsspecTier, job: str, step: int, d: str, inv: Invent
         except CorruptCheckpointError as exc:
             copy.error = str(exc)
         inv.copies.append(copy)
+    inv.folders.update((job, r) for r in listed)  # a manifested step names every rank of its world
     for rank in sorted(set(listed) - present):
         inv.problems.append((job, step, f"{where}: lists rank {rank} but {tier.url}/{d}/rank-{rank:05d}.json is missing"))
 

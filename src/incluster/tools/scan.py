@@ -53,6 +53,7 @@ def scan(paths: list[str], persistent: list[str] | None = None, job: str | None 
     for url in persistent or []:
         scan_persistent(url, inv)
     if job is not None:
+        inv.folders = {f for f in inv.folders if f[0] == job}
         inv.copies = [c for c in inv.copies if c.job == job]
         inv.problems = [p for p in inv.problems if p[0] == job]
     return inv
@@ -88,6 +89,7 @@ def _scan_job(folder: str, inv: Inventory) -> None:
 
 
 def _scan_rank(folder: str, job: str, rank: int, inv: Inventory) -> None:
+    inv.folders.add((job, rank))
     names = set(os.listdir(folder))
     for name in sorted(names):
         full = os.path.join(folder, name)

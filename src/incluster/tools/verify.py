@@ -4,9 +4,11 @@ Each copy is read through the same strict path a restore uses (sidecar, size, ev
 chunk checksum, the header, and every tensor the state tree names). Exits 1 on a fault,
 printing the file and the reason for each: a corrupt copy, a rank all of whose copies
 are corrupt, a job with no step every rank has a good copy of, or - with ``--step`` -
-that step lacking a rank. A step some rank has no copy of at all is what a crash leaves
-(a save in flight, never committed on every rank) or a lost node: info, naming the
-newest step a restore would use. Leftovers of crashes and spare slots are info too.
+that step lacking a rank. Exits 3 (a warning) when the job is restorable, but from an
+older step than an incomplete newer one some rank holds: what a crash leaves (a save in
+flight) and also what a node lost with its copies leaves - the listing cannot tell them
+apart. Folders that hold only some of a job's ranks (one node's RAM) are not judged for
+restorability, only checked. Leftovers of crashes and spare slots are info.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 from rich.table import Table
 
 from incluster.tools.ls import ranges
-from incluster.tools.models import world_size
+from incluster.tools.models import Copy, world_size
 from incluster.tools.ui import check_copies, consoles, human, line, load
 
 
@@ -45,7 +47,10 @@ def run(args: argparse.Namespace) -> int:
         summary.add_column(col, justify="right" if col in ("step", "ranks ok", "copies ok", "verified") else "left")
     incomplete = 0
     infos: list[str] = []
+    warnings: list[str] = []
     restorable: dict[str, int] = {}  # job -> newest step with a good copy of every rank
+    partial = _partial_views(steps, inv.folders)  # job -> ranks no scanned folder holds at all
+    newer: dict[str, list[int]] = {}  # job -> incomplete steps newer than its restorable one
     for (job, step), ranks in steps.items():
         good = [c for cs in ranks.values() for c in cs if results[id(c)] is None]
         bad = [c for cs in ranks.values() for c in cs if results[id(c)] is not None]
@@ -58,16 +63,20 @@ def run(args: argparse.Namespace) -> int:
             lacking: list[int] = []
         else:
             lacking = [r for r in range(w) if not any(results[id(c)] is None for c in ranks.get(r, []))]
-            for r in lacking:
-                n = len(ranks.get(r, []))
-                if n:
-                    faults.append(f"job {job} step {step}: rank {r} cannot be restored: all {n} of its copies are corrupt")
-                elif args.step is not None:
-                    faults.append(f"job {job} step {step}: rank {r} cannot be restored: it has no copy with a sidecar anywhere")
             absent = [r for r in lacking if not ranks.get(r)]
-            if absent and args.step is None:
-                infos.append(f"job {job} step {step}: rank {ranges(absent)} has no copy: a save not committed on every "
-                             f"rank (in flight at a crash, or failed), or copies lost with their node; not restorable")
+            for r in lacking:
+                if ranks.get(r):
+                    faults.append(f"job {job} step {step}: rank {r} cannot be restored: all {len(ranks[r])} of "
+                                  f"its copies are corrupt")
+            if absent and job in partial:
+                pass  # said once per job below: these folders are not the whole job
+            elif absent and args.step is not None:
+                faults.extend(f"job {job} step {step}: rank {r} cannot be restored: it has no copy with a sidecar "
+                              f"anywhere" for r in absent)
+            elif absent:
+                infos.append(f"job {job} step {step}: rank {ranges(absent)} has no copy: not restorable")
+                if job not in restorable:
+                    newer.setdefault(job, []).append(step)
             if lacking:
                 words.append(f"incomplete: rank {ranges(lacking)} lost")
             elif job not in restorable:  # steps come newest first
@@ -81,12 +90,23 @@ def run(args: argparse.Namespace) -> int:
                         human(sum(c.nbytes for c in good)),
                         f"[red]{'; '.join(words)}[/]" if words else "[green]ok[/]")
     faults.extend(problems)
-    if args.step is None:
-        for job in sorted({job for job, _ in steps} - set(restorable)):
+    for job, missing in sorted(partial.items()):
+        infos.append(f"job {job}: no folder given holds rank(s) {ranges(missing)}; pass every node's folder (or "
+                     f"--persistent) to judge which step a restore would use")
+    for job in sorted({job for job, _ in steps} - set(restorable) - set(partial)):
+        if args.step is None:
             faults.append(f"job {job}: no step has a good copy of every rank; a restore finds nothing to load")
+    for job, later in sorted(newer.items()):
+        if job in restorable:
+            warnings.append(
+                f"job {job}: a restore would use step {restorable[job]}, but step(s) {', '.join(map(str, later))} "
+                f"are newer and incomplete: a save in flight at a crash (harmless: the restart clears it) or "
+                f"copies lost with their node (that progress is gone)")
     out.print(summary)
     for f in faults:
         line(out, "[red]FAULT:[/]", f)
+    for text in warnings:
+        line(out, "[yellow]WARNING:[/]", text)
     for text in infos:
         line(out, "[dim]info:[/]", text)
     for note in inv.notes:
@@ -94,8 +114,25 @@ def run(args: argparse.Namespace) -> int:
     for job, step in sorted(restorable.items()):
         line(out, "[green]restorable:[/]", f"job {job}: newest step with a good copy of every rank is {step}")
     corrupt = sum(1 for c in copies if results[id(c)] is not None)
-    verdict = "[red]FAILED[/]" if faults else "[green]OK[/]"
+    verdict = "[red]FAILED[/]" if faults else "[yellow]WARNING[/]" if warnings else "[green]OK[/]"
     out.print(f"{verdict}: {len(copies)} cop{'y' if len(copies) == 1 else 'ies'} checked, {corrupt} corrupt, {len(steps)} step{'s' if len(steps) != 1 else ''}, {incomplete} incomplete, "
               f"{len(faults)} fault{'s' if len(faults) != 1 else ''}, {len(inv.notes) + len(infos)} info")
-    return 1 if faults else 0
+    return 1 if faults else WARNED if warnings else 0
 
+
+WARNED = 3  # restorable, but not the newest step some rank holds
+
+
+def _partial_views(steps: dict[tuple[str, int], dict[int, list[Copy]]], folders: set[tuple[str, int]]) -> dict[str, list[int]]:
+    """Jobs whose newest step's ranks are not all in the folders scanned (one node's RAM
+    folder of a multi-node job): which ranks no folder holds at all."""
+    out: dict[str, list[int]] = {}
+    for (job, _), ranks in steps.items():  # newest first: the first seen per job decides
+        if job in out:
+            continue
+        w, _ = world_size(ranks)
+        if w is None:
+            continue
+        missing = [r for r in range(w) if (job, r) not in folders]
+        out[job] = missing
+    return {job: m for job, m in out.items() if m}
