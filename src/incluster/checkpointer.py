@@ -127,7 +127,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 f"folder this process can write, in the node's RAM disk (e.g. /dev/shm/incluster)"
             ) from exc
         _refuse_links(os.path.dirname(self.folder), self.folder)
-        self._claim = Claim(os.path.dirname(self.folder), self.config.job, self.rank)  # one live run per job and rank
+        self._claim = Claim(os.path.dirname(self.folder), self.config.job, self.rank, owner=self)  # one live run per job and rank
         try:
             self._start()
         except BaseException:

@@ -5,8 +5,10 @@ other's slots (one resumed the other's step, then both failed with a vanished st
 file). Each Checkpointer holds an exclusive ``flock`` on ``<local_dir>/<job>/.claim-<rank>``
 for its lifetime: a POSIX record lock, which the kernel drops when the process dies (a
 SIGKILLed run never blocks its restart) and which processes forked later (data-loader
-workers) do not inherit, so none keeps it after ``close()``. Within one process a set
-of held claims does the same. A second claim is refused, naming who holds it.
+workers) do not inherit, so none keeps it after ``close()``. Within one process a table
+of held claims does the same: a second Checkpointer there closes the earlier one first
+(re-running a notebook cell leaves the last one open and out of reach). Another
+process's claim is refused, naming who holds it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import fcntl
 import os
 import socket
 import sys
+import logging
 import threading
+import weakref
+from typing import Any
 
 from incluster.errors import CheckpointError
 
+log = logging.getLogger("incluster")
 _PREFIX = ".claim-"
-_held: set[str] = set()  # this process's claims (record locks never conflict within a process)
+_held: dict[str, Any] = {}  # this process's claims -> weakref to their owner (record locks never conflict within a process)
 _held_lock = threading.Lock()
 
 
@@ -35,10 +41,19 @@ os.register_at_fork(after_in_child=_forked)
 
 
 class Claim:
-    def __init__(self, job_folder: str, job: str, rank: int) -> None:
+    def __init__(self, job_folder: str, job: str, rank: int, owner: Any = None) -> None:
         self.path = os.path.realpath(os.path.join(job_folder, f"{_PREFIX}{rank:05d}"))
         self._fd: int | None = None
         where = f"job {job!r} rank {rank} is in use in {os.path.dirname(job_folder)} by "
+        with _held_lock:
+            ref = _held.get(self.path)
+        earlier = ref() if ref is not None else None
+        if earlier is not None and callable(getattr(earlier, "close", None)):
+            # A Checkpointer re-made without closing the last (a notebook cell run again): two
+            # in one process would write the same files, and the last one may be out of reach.
+            log.warning("incluster: a new Checkpointer for job %r rank %d in this process: the earlier one, "
+                        "still open, is closed first (its saves in flight are drained)", job, rank)
+            earlier.close()
         with _held_lock:
             if self.path in _held:
                 raise CheckpointError(where + "another Checkpointer of this process: close() it first")
@@ -57,7 +72,7 @@ class Claim:
                     where + f"process {holder or '(unknown)'}: two runs with one job name would overwrite each "
                     f"other's checkpoints; give this run its own job= (or INCLUSTER_JOB) or local_dir, or stop "
                     f"the other") from None
-            _held.add(self.path)
+            _held[self.path] = weakref.ref(owner) if owner is not None else (lambda: None)
             self._fd = fd
         me = f"{os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv)[:200]})".encode()
         os.ftruncate(fd, 0)
@@ -68,7 +83,7 @@ class Claim:
             if self._fd is not None:
                 os.close(self._fd)  # the lock goes with it; the file stays (no unlink race)
                 self._fd = None
-                _held.discard(self.path)
+                _held.pop(self.path, None)
 
 
 def _read(fd: int) -> str:

@@ -41,11 +41,20 @@ def test_a_second_run_with_the_same_job_name_is_refused_until_the_first_is_gone(
         assert ck.load(target) == 1 and torch.equal(target["w"], torch.ones(4))
 
 
-def test_two_live_checkpointers_of_one_job_in_one_process_are_refused(local_dir):
-    with incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread"):
-        with pytest.raises(incluster.CheckpointError, match="another Checkpointer of this process: close"):
-            incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread")
-    incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread").close()  # closed: free again
+def test_a_second_checkpointer_of_one_job_in_one_process_closes_the_first(local_dir, caplog):
+    """Re-running a notebook cell makes a new Checkpointer while the last is still open
+    (and may be out of reach): two would write the same files, so the first is closed,
+    its save drained, and said so."""
+    first = incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread")
+    first.save(1, {"w": torch.ones(4)})
+    with caplog.at_level("WARNING", logger="incluster"):
+        second = incluster.Checkpointer(local_dir=local_dir, job="same", writer="thread")
+    assert any("the earlier one, still open, is closed first" in r.getMessage() for r in caplog.records)
+    with pytest.raises(incluster.CheckpointError, match="closed"):
+        first.save(2, {"w": torch.ones(4)})
+    target = {"w": torch.zeros(4)}
+    assert second.load(target) == 1 and torch.equal(target["w"], torch.ones(4))  # the drained save landed
+    second.close()
 
 
 def test_a_process_forked_while_the_claim_was_held_does_not_keep_it(local_dir):
