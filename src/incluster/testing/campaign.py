@@ -34,7 +34,7 @@ SPARE = "E"
 WORLD = len(NODES)
 STEPS, EVERY = 6, 2
 KINDS = (
-    "kill-trainer@stage", "kill-writer@commit", "kill-writer@sidecar", "kill-writer@replicate",
+    "kill-trainer@stage", "kill-writer@commit", "kill-writer@sidecar", "kill-writer@counted", "kill-writer@replicate",
     "kill-writer@upload", "kill-random", "kill-during-restore", "hang@replicate", "enospc@allocate",
     "corrupt-shard", "corrupt-replica", "corrupt-sidecar", "corrupt-manifest", "corrupt-persistent-shard",
     "step-during-staging", "raise@stage", "kill-random/2-per-node",
