@@ -209,9 +209,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                     stop(getattr(self, part))
                 except Exception:  # noqa: BLE001 - the original error is the one to see
                     pass
-        server = getattr(self, "_store_server", None)
-        if server is not None:
-            self._store_server = None
+        self._store_server = None  # the job store (rank 0) goes with its last reference
         self._closed = True
         self._claim.release()
 

@@ -2,10 +2,10 @@
 
 Two runs that share a job name and ``local_dir`` would adopt, overwrite and recycle each
 other's slots (one resumed the other's step, then both failed with a vanished staging
-file). Each Checkpointer holds an exclusive ``flock`` on ``<local_dir>/<job>/.claim-<rank>``
-for its lifetime: a POSIX record lock, which the kernel drops when the process dies (a
-SIGKILLed run never blocks its restart) and which processes forked later (data-loader
-workers) do not inherit, so none keeps it after ``close()``. Within one process a table
+file). Each Checkpointer holds an exclusive lock on ``<local_dir>/<job>/.claim-<rank>``
+for its lifetime: a POSIX record lock (``lockf``, not ``flock``), which the kernel drops
+when the process dies (a SIGKILLed run never blocks its restart) and which processes
+forked later (data-loader workers) do not inherit, so none keeps it after ``close()``. Within one process a table
 of held claims does the same: a second Checkpointer there closes the earlier one first
 (re-running a notebook cell leaves the last one open and out of reach). Another
 process's claim is refused, naming who holds it.
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import sys
-import logging
 import threading
 import weakref
 from typing import Any
@@ -64,7 +64,6 @@ class Claim:
                 holder = _read(fd)
                 os.close(fd)
                 if exc.errno == errno.ENOLCK:  # a filesystem without record locks: no claim, as before
-                    self._fd = None
                     return
                 if exc.errno not in (errno.EACCES, errno.EAGAIN):
                     raise

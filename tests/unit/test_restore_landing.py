@@ -241,7 +241,7 @@ def test_bounce_pool_grows_only_as_readers_need_buffers(tmp_path, monkeypatch):
 
 
 def test_rank_lists_are_said_as_ranges():
-    from incluster.recovery.meet import _ranges
+    from incluster.recovery.meet import ranges
 
-    assert _ranges([1]) == "1"
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert ranges([1]) == "1"
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

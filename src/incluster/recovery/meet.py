@@ -29,7 +29,6 @@ class ArrivalWatch:
         self.addr, self.rank, self.what, self.n = addr, rank, what, n
         self.warn_s = WARN_S if warn_s is None else warn_s
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def _key(self, rank: int | None = None) -> str:
         assert self.addr is not None
@@ -49,8 +48,7 @@ class ArrivalWatch:
         except Exception as exc:  # noqa: BLE001 - only a diagnostic: the call itself goes on
             log.debug("incluster: rank %d: arrival at %s not recorded: %s", self.rank, self.what, exc)
             return self
-        self._thread = threading.Thread(target=self._watch, args=(store,), name="incluster-arrival", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._watch, args=(store,), name="incluster-arrival", daemon=True).start()
         return self
 
     def _watch(self, store: Any) -> None:
@@ -72,22 +70,19 @@ class ArrivalWatch:
                     "incluster: rank %d has waited %.0f s in %s for rank(s) %s, which have not called it: "
                     "%s is collective - every rank must call it, with the same Checkpointer settings (not "
                     "under `if rank == 0:`); this rank waits until they do or the process group times out",
-                    self.rank, waited, self.what, _ranges(missing), self.what)
+                    self.rank, waited, self.what, ranges(missing), self.what)
                 return
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
 
 
-def _ranges(ranks: list[int]) -> str:
+def ranges(ranks: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5' (a large job's list stays one line)."""
-    out: list[str] = []
-    start = prev = ranks[0]
-    for r in ranks[1:] + [None]:  # type: ignore[list-item]
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ", ".join(out)
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -13,19 +13,9 @@ import argparse
 from rich import box
 from rich.table import Table
 
+from incluster.recovery.meet import ranges
 from incluster.tools.models import Copy, Inventory, missing_ranks, world_size
 from incluster.tools.ui import consoles, human, line, load
-
-
-def ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    spans: list[list[int]] = []
-    for r in sorted(ranks):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def status(ranks: dict[int, list[Copy]]) -> tuple[bool, str]:
