@@ -30,6 +30,7 @@ from incluster.tiers.persistent import open_tier
 
 log = logging.getLogger("incluster")
 NOT_DUE = "skipped: not due (persistent_interval_s)"
+CANCELLED = "cancelled: close() ended the upload"
 MANIFEST = "COMMITTED.json"
 _STEP = re.compile(r"^step-(\d{12,})$")
 
@@ -110,6 +111,12 @@ class Uploader:
         self.skipped = 0
         self.failed = 0
         self.uploading: int | None = None  # the step whose upload runs
+        # close() may give up on an upload that still runs (a hung store); with the writer
+        # on the trainer's threads that upload goes on, and must then write no manifest.
+        self._fate = threading.Lock()
+        self._cancelled = False
+        self._counted = False  # this rank's shard of the upload in flight was counted
+        self._done: Callable[[str | None], None] | None = None
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
@@ -167,7 +174,8 @@ class Uploader:
             self.coord.persist_outcome(step, f"fail:{self.p.rank}:skipped, previous upload still running", 0)
             return False
 
-        self.uploading = step
+        with self._fate:
+            self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
 
         def run() -> None:
             err = None
@@ -177,8 +185,14 @@ class Uploader:
                 err = f"{type(exc).__name__}: {exc}"
                 del exc  # its frames hold views of the slot's mapping
             finally:
-                self.uploading = None
+                with self._fate:
+                    self.uploading = None
+                    cancelled = self._cancelled
                 self._busy.release()
+            if cancelled:  # cancel() reported it already
+                log.info("incluster: rank %d: the upload of step %d that close() gave up on ended (%s)",
+                         self.p.rank, step, err or "uploaded; no manifest")
+                return
             if err is not None:
                 self.failed += 1
                 log.warning("incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
@@ -209,6 +223,10 @@ class Uploader:
         self._retry("sidecar upload", lambda: self.tier.write(f"{d}/{name}.json", memoryview(sidecar)))
         sc = json.loads(sidecar)
         info = json.dumps({"rank": self.p.rank, "size": size, "checksum": sc["checksum"]})
+        with self._fate:  # past this point the step may be manifested: cancel() must know
+            if self._cancelled:
+                return CANCELLED
+            self._counted = True
         if self.coord.persisted(step, info):
             infos = sorted((json.loads(i) for i in self.coord.persist_infos(step)), key=lambda i: i["rank"])
             manifest = {"format": "incluster-manifest", "version": 1, "job": self.p.job, "step": step,
@@ -228,6 +246,33 @@ class Uploader:
             m = _STEP.match(name)
             if m and int(m.group(1)) < min(kept):
                 self.tier.delete(f"{self.p.job}/{name}")
+
+    def cancel(self) -> str | None:
+        """Give up on the upload that still runs (at shut-down) and report it as not
+        persisted; returns what was reported, or None if no upload runs. If this rank's
+        shard was not yet counted, the upload writes no manifest when it ends, and every
+        rank learns at once that the step fails; once counted, the other ranks may still
+        complete the manifest, and the report says so."""
+        with self._fate:
+            step, done = self.uploading, self._done
+            if step is None or self._cancelled:
+                return None
+            self._cancelled = True
+            counted = self._counted
+        if counted:
+            why = (f"the upload had not finished when close() ended it, after this rank's shard was uploaded and "
+                   f"counted: the other ranks may still complete step {step}'s manifest (`incluster ls` shows "
+                   f"whether they did)")
+        else:
+            why = (f"the upload had not finished when close() ended it; it writes no manifest, so step {step} is "
+                   f"not in the persistent tier (its previous persistent step stands)")
+            try:
+                self.coord.persist_outcome(step, f"fail:{self.p.rank}:{CANCELLED}", 0)
+            except Exception:  # noqa: BLE001 - the store may be gone at shut-down: the count never completes
+                pass
+        if done is not None:
+            done(why)
+        return why
 
     def wait_idle(self, timeout: float) -> bool:
         """Whether no upload runs (waits up to ``timeout`` for the one that does)."""

@@ -289,3 +289,22 @@ def test_close_with_an_upload_that_never_ends_is_bounded_and_resolves_persisted(
     err = capfd.readouterr().err
     assert "did not finish within" in err and "BufferError" not in err
     assert not os.path.isdir(os.path.join(root, "p")) or _manifests(root) == []
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_an_upload_close_gave_up_on_writes_no_manifest_when_it_ends_later(local_dir, tmp_path, monkeypatch, writer):
+    """close() reports an upload it stopped waiting for as not persisted; with the writer
+    on the trainer's threads that upload keeps running, and when its store answers at last
+    it must not write the manifest that close() said would not exist."""
+    faults = FaultInjector().fail_at(phase="upload", step=0, action="slow", seconds=4.0)
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    root = str(tmp_path / "persist")
+    ck = incluster.Checkpointer(local_dir=local_dir, job="p", writer=writer, persistent=root, persistent_every=1,
+                                slot_timeout_s=1.0)
+    h = ck.save(0, _state(0.0))
+    h.wait(30)
+    ck.close()
+    with pytest.raises(incluster.TierUnavailableError, match="had not finished when close"):
+        h.persisted.result(0)
+    time.sleep(5.0)  # the slow upload has ended by now
+    assert not os.path.isdir(os.path.join(root, "p")) or _manifests(root) == []

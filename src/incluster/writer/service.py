@@ -214,12 +214,12 @@ class CommitService:
         os.close(cached[2])
 
     def close(self, timeout: float = 600.0) -> None:
-        uploading = None if self.uploader is None else self.uploader.uploading
         if self.uploader is not None and not self.uploader.wait_idle(timeout):
             # The upload still reads its slot's mapping: leave every mapping to the exit.
-            print(f"incluster writer: rank {self.params.rank}: the persistent upload of step {uploading} did not "
-                  f"finish within {timeout:.0f} s of shut-down; exiting without it (the tier keeps no manifest "
-                  f"of it: its previous persistent step stands)", file=sys.stderr)
+            why = self.uploader.cancel()
+            if why is not None:
+                print(f"incluster writer: rank {self.params.rank}: the persistent upload did not finish within "
+                      f"{timeout:.0f} s of shut-down: {why}", file=sys.stderr)
         else:
             with self._maps_lock:
                 for cached in self._maps.values():
