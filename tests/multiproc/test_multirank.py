@@ -159,7 +159,9 @@ def test_a_step_a_writer_counted_before_it_died_stays_durable_on_every_rank(loca
     codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], env={"REPLICAS": "0"}, rank_env={1: fault})
     assert codes == [0, 0], [job.output(r) for r in range(2)]
     assert first[0]["errors"] == {} and first[1]["errors"] == {}, (first[0]["errors"], first[1]["errors"])
-    assert "SIGKILL" in job.output(1)  # the writer did die, and was replaced
+    # the writer did die (its replacement starts in the background, maybe after this
+    # short run's close(): not asserted)
+    assert "the writer died after committing step 4; the step is durable" in job.output(1)
     codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4, env={"REPLICAS": "0"})
     assert codes == [0, 0], [job.output(r) for r in range(2)]
     _assert_restored(second, first, 4)
