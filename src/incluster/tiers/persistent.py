@@ -20,6 +20,9 @@ from incluster.errors import TierUnavailableError
 
 CHUNK = 16 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+# Object stores whose root's first component is a bucket: fsspec would create a missing
+# one on the first write, so a mistyped name would quietly take every checkpoint.
+_BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
 _PAGE = 4096
@@ -82,6 +85,23 @@ class FsspecTier:
         self.root = root.rstrip("/")
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.posix = protocol in ("file", "local")
+        self.bucket = self.root.split("/", 1)[0] if protocol in _BUCKETED else None
+        self._bucket_seen = False
+
+    def _check_bucket(self) -> None:
+        """A bucket that does not exist is an error naming it: never created, never
+        listed as an empty tier (a restart would start afresh beside the real one)."""
+        if self.bucket is None or self._bucket_seen:
+            return
+        with _BackendErrors(self, f"looking up the bucket {self.bucket}"):
+            seen = self.fs.exists(self.bucket)
+        if not seen:
+            raise TierUnavailableError(
+                f"the bucket {self.bucket!r} of the persistent tier {self.url!r} does not exist, or these "
+                f"credentials cannot see it. incluster never creates buckets: create it, or fix persistent= "
+                f"(and persistent_options / the AWS settings for its endpoint and credentials)"
+            )
+        self._bucket_seen = True
 
     def _pace(self, started: float, done: int) -> None:
         if self.max_bytes_per_s > 0:
@@ -100,6 +120,7 @@ class FsspecTier:
         if self.posix:
             _private_dirs(posixpath.dirname(full))
         else:
+            self._check_bucket()
             with _BackendErrors(self, f"creating the folder of {path}"):
                 self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
         view = memoryview(data).cast("B")
@@ -196,6 +217,7 @@ class FsspecTier:
             with _BackendErrors(self, f"listing {prefix or '/'}"):
                 entries = self.fs.ls(full, detail=False)
         except FileNotFoundError:
+            self._check_bucket()
             return []
         return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
 
@@ -205,6 +227,7 @@ class FsspecTier:
             with _BackendErrors(self, f"listing {prefix}"):
                 entries = self.fs.ls(self._p(prefix), detail=True)
         except FileNotFoundError:
+            self._check_bucket()
             return {}
         return {posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0) for e in entries}
 
