@@ -117,6 +117,7 @@ class Uploader:
         self._cancelled = False
         self._counted = False  # this rank's shard of the upload in flight was counted
         self._done: Callable[[str | None], None] | None = None
+        self._timeline_checked = False  # rank 0: steps of an abandoned timeline were removed
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
@@ -218,6 +219,9 @@ class Uploader:
         d = step_dir(self.p.job, step)
         name = f"rank-{self.p.rank:05d}"
         view = memoryview(buf)[:size] if size else memoryview(b"")
+        if self.p.rank == 0 and not self._timeline_checked:
+            self._retry("removing an abandoned timeline's steps", lambda: self._drop_abandoned(step))
+            self._timeline_checked = True
         self._retry("shard upload", lambda: self.tier.write(f"{d}/{name}.safetensors", view))
         faults.check("upload", self.p.rank, step)
         self._retry("sidecar upload", lambda: self.tier.write(f"{d}/{name}.json", memoryview(sidecar)))
@@ -237,9 +241,28 @@ class Uploader:
         value = self.coord.persist_outcome(step, None, self.p.timeout_s)
         return None if value == "ok" else value
 
+    def _drop_abandoned(self, step: int) -> None:
+        """Rank 0, at this writer's first upload (of ``step``): steps only increase within a
+        run, so any step folder newer than ``step`` - and a manifest of ``step`` itself -
+        is left from a timeline this run did not continue (its restore went back past a
+        corrupt or incomplete step, or did not see this tier). They go: a later restore
+        must never go back to that timeline, retention must not count them among the
+        steps it keeps, and no old manifest may vouch for this upload's new shards. No
+        other rank can be uploading a step newer than ``step`` now: its manifest needs
+        rank 0's count, which comes after this."""
+        stale = sorted(int(m.group(1)) for m in map(_STEP.match, self.tier.list(self.p.job))
+                       if m and int(m.group(1)) > step)
+        if stale:
+            log.warning("incluster: the persistent tier holds step(s) %s, newer than this run's step %d: left from a "
+                        "timeline the run did not continue (its restore went back past them); they are removed",
+                        stale, step)
+        for s in stale:
+            self.tier.delete(step_dir(self.p.job, s))
+        self.tier.delete(f"{step_dir(self.p.job, step)}/{MANIFEST}")
+
     def _retention(self, newest: int) -> None:
-        """Keep the newest ``keep`` manifested steps; delete everything older."""
-        kept = manifested_steps(self.tier, self.p.job)[: self.p.keep]
+        """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older."""
+        kept = [s for s in manifested_steps(self.tier, self.p.job) if s <= newest][: self.p.keep]
         if not kept:
             return
         for name in self.tier.list(self.p.job):

@@ -103,6 +103,30 @@ def test_s3_through_a_real_s3_protocol_server(local_dir, s3_endpoint):
     assert torch.equal(target["w"], torch.full((5000,), 2.0))
 
 
+def test_a_bucket_that_does_not_exist_is_named_never_created_nor_taken_for_an_empty_tier(local_dir, s3_endpoint):
+    """A mistyped bucket: uploads fail naming it (fsspec would have created it and kept
+    every checkpoint there), and a restart with nothing in RAM raises instead of starting
+    afresh beside the checkpoints the real bucket holds."""
+    import boto3
+
+    bucket = f"missing-{uuid.uuid4().hex[:8]}"
+    url, opts = f"s3://{bucket}/run", s3server.options(s3_endpoint)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=url,
+                                persistent_options=opts, persistent_every=1) as ck:
+        h = ck.save(0, _state(0.0))
+        h.wait(30)
+        with pytest.raises(incluster.TierUnavailableError, match=f"bucket '{bucket}'.*does not exist.*never creates"):
+            h.persisted.result(60)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                      region_name="us-east-1")
+    assert bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=url,
+                                persistent_options=opts) as ck:
+        with pytest.raises(incluster.TierUnavailableError, match="does not exist"):
+            ck.load(_state(1.0))
+
+
 def test_failed_upload_is_reported_and_training_goes_on(local_dir, tmp_path, monkeypatch):
     root = str(tmp_path / "persist")
     monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="upload", step=2).env().items())))
@@ -308,3 +332,53 @@ def test_an_upload_close_gave_up_on_writes_no_manifest_when_it_ends_later(local_
         h.persisted.result(0)
     time.sleep(5.0)  # the slow upload has ended by now
     assert not os.path.isdir(os.path.join(root, "p")) or _manifests(root) == []
+
+
+def _flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        b = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_a_corrupt_newer_step_a_restore_went_back_past_is_removed_not_kept_by_retention(local_dir, tmp_path):
+    """The newest persistent step is corrupt: the restore goes back to the one before.
+    That newer step belongs to a timeline the run does not continue: retention used to
+    count it among the steps it keeps and delete the good ones (with persistent_keep=1,
+    every good copy), and a later restore could go back to that timeline."""
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(0, 13, 2), persistent_keep=2)
+    assert _manifests(root) == ["step-000000000008", "step-000000000012"]
+    _flip_last_byte(os.path.join(root, "p", "step-000000000012", "rank-00000.safetensors"))
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1, persistent_keep=2) as ck:
+        assert ck.load(_state(0.0)) == 8
+        h = ck.save(9, _state(9.0))
+        assert h.persisted.result(60) is True
+    assert _manifests(root) == ["step-000000000008", "step-000000000009"]
+    assert not os.path.exists(os.path.join(root, "p", "step-000000000012"))
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    target = _state(0.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+        assert ck.load(target) == 9 and torch.equal(target["w"], torch.full((5000,), 9.0))
+
+
+def test_an_old_manifest_of_a_step_number_saved_again_never_vouches_for_the_new_shards(local_dir, tmp_path, monkeypatch):
+    """After going back past a corrupt step 12, the run saves step 12 again; its upload
+    fails after the new shard is written. The old manifest must not stay, naming the old
+    checksums beside the new shard: step 12 is simply not in the tier."""
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(0, 13, 2), persistent_keep=3)
+    _flip_last_byte(os.path.join(root, "p", "step-000000000012", "rank-00000.safetensors"))
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    faults = FaultInjector().fail_at(phase="upload", step=12, action="raise")
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1, persistent_keep=3) as ck:
+        assert ck.load(_state(0.0)) == 8
+        h = ck.save(12, _state(12.0))
+        with pytest.raises(incluster.TierUnavailableError):
+            h.persisted.result(60)
+    assert _manifests(root) == ["step-000000000004", "step-000000000008"]
