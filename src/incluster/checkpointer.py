@@ -146,6 +146,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._store_server, address, targets, sources = wiring.start_store(self.config, self.rank, self.world_size)
         self._store_address = address
         self._loads = 0  # load() calls so far: the n-th of every rank meet (recovery/meet.py)
+        self._loaded = False  # a load() returned: saves go on from the timeline it chose
         params = WriterParams(
             rank=self.rank,
             gen=next_generation(),

@@ -65,7 +65,9 @@ class LoadPipeline:
             raise CheckpointError("this Checkpointer is closed; create a new one")
         self._loads += 1  # first: every rank's n-th call is the same call, whatever fails below
         with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
-            return self._load(state)
+            step = self._load(state)
+        self._loaded = True
+        return step
 
     def _load(self, state: Mapping[str, Any]) -> int | None:
         try:

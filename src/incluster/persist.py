@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from incluster.commit import Coordinator
-from incluster.errors import TierUnavailableError
+from incluster.errors import CheckpointError, TierUnavailableError
 from incluster.testing import faults
 from incluster.tiers.persistent import open_tier
 
@@ -118,6 +118,7 @@ class Uploader:
         self._counted = False  # this rank's shard of the upload in flight was counted
         self._done: Callable[[str | None], None] | None = None
         self._timeline_checked = False  # rank 0: steps of an abandoned timeline were removed
+        self.loaded = False  # the save being uploaded came after a load() (CommitRequest.loaded)
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
@@ -185,6 +186,10 @@ class Uploader:
             except BaseException as exc:  # noqa: BLE001 - reported, never raised into training
                 err = f"{type(exc).__name__}: {exc}"
                 del exc  # its frames hold views of the slot's mapping
+                try:  # the other ranks learn at once, instead of waiting timeout_s for the count
+                    self.coord.persist_outcome(step, f"fail:{self.p.rank}:{err[:300]}", 0)
+                except Exception:  # noqa: BLE001 - the store is gone: they time out
+                    pass
             finally:
                 with self._fate:
                     self.uploading = None
@@ -250,8 +255,14 @@ class Uploader:
         steps it keeps, and no old manifest may vouch for this upload's new shards. No
         other rank can be uploading a step newer than ``step`` now: its manifest needs
         rank 0's count, which comes after this."""
-        stale = sorted(int(m.group(1)) for m in map(_STEP.match, self.tier.list(self.p.job))
-                       if m and int(m.group(1)) > step)
+        names = self.tier.list(self.p.job)
+        stale = sorted(int(m.group(1)) for m in map(_STEP.match, names) if m and int(m.group(1)) > step)
+        if not self.loaded and (stale or (step_dir(self.p.job, step).rsplit("/", 1)[1] in names
+                                          and MANIFEST in self.tier.list(step_dir(self.p.job, step)))):
+            raise CheckpointError(
+                f"the persistent tier already holds step(s) {stale or [step]} of job {self.p.job!r}, as new as this "
+                f"run's step {step} or newer, and this run did not call load(): it would overwrite or fork that "
+                f"job's timeline. Call load() first to go on from them, or name a new job")
         if stale:
             log.warning("incluster: the persistent tier holds step(s) %s, newer than this run's step %d: left from a "
                         "timeline the run did not continue (its restore went back past them); they are removed",

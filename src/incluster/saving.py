@@ -80,6 +80,7 @@ class SavePipeline:
     _lock: threading.Lock
     _uploads: dict[int, tuple[Slot, SaveHandle]]
     _early_persisted: dict[int, str | None]
+    _loaded: bool
     _errors: list[tuple[SaveHandle, BaseException]]
     _warned_warm: bool
     _writer_params: WriterParams
@@ -111,6 +112,7 @@ class SavePipeline:
                 ordinal=job.ordinal,
                 digests=tuple(job.digests) if job.digests is not None else None,
                 drain=job.drain,
+                loaded=self._loaded,
             )
         except BaseException as exc:  # noqa: BLE001 - reported through the futures
             self._fail(job, handle, exc, "staging")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from incluster.commit import StoreCoordinator, host_store
@@ -60,3 +62,29 @@ def test_a_dead_writers_step_missing_copies_is_failed_for_every_rank(two_ranks):
     r1.committed(11)  # a late count cannot make it durable any more
     with pytest.raises(CommitError, match="step 11 failed on rank 1 .*writer died"):
         r0.wait_outcome(11, timeout=5)
+
+
+def test_an_upload_failing_on_one_rank_fails_it_on_every_rank_at_once(two_ranks, tmp_path):
+    """Rank 1's store refuses its shard: rank 0, whose shard is uploaded, must learn at
+    once that the step will have no manifest, not wait timeout_s (600 s by default) for a
+    count that never completes, with its slot pinned and later uploads skipped."""
+    import queue
+    import time
+
+    from incluster.persist import PersistParams, Uploader
+    from incluster.testing.tiers import FaultyTier
+    from incluster.tiers.persistent import FsspecTier
+
+    root = str(tmp_path / "persist")
+    tiers = [FsspecTier(root), FaultyTier(FsspecTier(root), ops=("write",))]
+    words: queue.Queue = queue.Queue()
+    for rank, (coord, tier) in enumerate(zip(two_ranks, tiers)):
+        up = Uploader(PersistParams(url=tier, job="j", rank=rank, world_size=2, retries=1, timeout_s=120), coord)
+        up.loaded = True
+        sidecar = b'{"checksum": "00"}'
+        assert up.start(3, sidecar, bytearray(64), 64, lambda err, rank=rank: words.put((rank, err)))
+    t0 = time.monotonic()
+    told = dict(words.get(timeout=30) for _ in range(2))
+    assert time.monotonic() - t0 < 15
+    assert "refused write" in told[1] and told[0].startswith("fail:1:")
+    assert not os.path.exists(os.path.join(root, "j", "step-000000000003", "COMMITTED.json"))

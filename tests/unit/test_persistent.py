@@ -382,3 +382,22 @@ def test_an_old_manifest_of_a_step_number_saved_again_never_vouches_for_the_new_
         with pytest.raises(incluster.TierUnavailableError):
             h.persisted.result(60)
     assert _manifests(root) == ["step-000000000004", "step-000000000008"]
+
+
+def test_a_run_that_never_loaded_does_not_overwrite_nor_remove_the_jobs_persistent_steps(local_dir, tmp_path):
+    """A new run of a job whose RAM is gone saves without calling load(): the tier's steps
+    are another timeline of the job. Its uploads fail naming the fix; nothing is removed
+    (retention used to keep the old steps and delete the new run's uploads)."""
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(0, 13, 2), persistent_keep=2)
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1) as ck:
+        h = ck.save(0, _state(0.0))
+        with pytest.raises(incluster.TierUnavailableError, match=r"did not call load\(\).*Call load\(\) first"):
+            h.persisted.result(60)
+    assert _manifests(root) == ["step-000000000008", "step-000000000012"]
+    target = _state(1.0)
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+        assert ck.load(target) == 12 and torch.equal(target["w"], torch.full((5000,), 12.0))

@@ -44,6 +44,9 @@ class CommitRequest:
     # gpu_drain="writer": (buffer id, file offset of the buffer, file ranges) to copy from the
     # trainer's device-side snapshot into the slot before the commit (the writer hashes them)
     drain: tuple[int, int, tuple[tuple[int, int], ...]] | None = None
+    # load() ran in this Checkpointer before the save: the run chose where its timeline
+    # goes on, so persistent steps newer than its first upload are an abandoned timeline
+    loaded: bool = False
 
 
 def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:

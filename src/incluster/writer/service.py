@@ -95,6 +95,8 @@ class CommitService:
 
         own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size, content_id(sidecar.checksum))
         persist = self.uploader is not None and self.uploader.due(req.step, req.ordinal)
+        if persist:
+            self.uploader.loaded = req.loaded  # type: ignore[union-attr]
         return path, own, persist
 
     def upload(self, step: int, own: Any, done: Any) -> bool:
