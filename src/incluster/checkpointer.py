@@ -321,6 +321,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
     def _pre_step_hook(self, *_: Any) -> None:
         """Optimizer pre-step: parameters must not change before the save's copy (or a
         restore's heal) is done. Host time spent waiting is recorded as save cost."""
+        self.events.alive()  # goodput: training ran until here (written by the recorder's thread)
         healing = self._healing
         if healing is not None and not healing.done():
             t0 = time.perf_counter()

@@ -11,12 +11,17 @@ One file per process: ``<run_dir>/events-rank{rank:05d}-pid{pid}.jsonl``. A proc
 ``start`` event. Every line holds ``t`` (wall time, seconds since the epoch), ``kind``,
 ``rank``, ``pid`` and the kind's own fields (see the constants below).
 
-Cost: one ``json.dumps`` and a list append per event (a few microseconds). Lines are written
-to the file when a checkpoint-scale event arrives (anything but ``train_step``), every
-``flush_every`` events, and when ``flush_interval_s`` has passed since the last write, so a
-SIGKILLed process loses at most the ``train_step`` events of its last ``flush_interval_s``.
-The data reach the kernel (``write``), not the disk (no ``fsync``): a killed process loses
-nothing that was written; only a crashed kernel could.
+Cost on the recording thread: one ``json.dumps`` and a deque append (a few microseconds):
+no file I/O and no lock. ``save()`` records an event on the training thread, and a write
+there would hand the interpreter lock to the staging thread it just started for up to a
+switch interval (5 ms) - ten times what ``save()`` itself blocks. A writer thread of the
+recorder writes the lines: at once (within milliseconds) for a checkpoint-scale event
+(anything but ``train_step``), every ``flush_every`` events, and every ``flush_interval_s``.
+It also writes an ``alive`` event each interval in which an optimizer step began (the
+Checkpointer's pre-step hook calls :meth:`EventRecorder.alive`), so a SIGKILLed process is
+known to have been training until at most ``flush_interval_s`` before it died, with or
+without ``train_step`` events. The data reach the kernel (``write``), not the disk (no
+``fsync``): a killed process loses nothing that was written; only a crashed kernel could.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,14 +59,17 @@ LOAD = "load"
 #: Training finished a step: its optimizer update is applied. Fields: ``step``. Optional;
 #: with it, lost progress is measured to the step instead of to the last save.
 TRAIN_STEP = "train_step"
+#: Training was running: ``t`` is when the latest optimizer step began (written by the
+#: recorder at most every ``flush_interval_s``). No fields.
+ALIVE = "alive"
 #: The run finished cleanly (``Checkpointer.close()`` after the last step). No fields.
 END = "end"
 
-KINDS = (START, SAVE, STAGED, STAGE_WAIT, DURABLE, SAVE_FAILED, PERSIST_FAILED, LOAD, TRAIN_STEP, END)
+KINDS = (START, SAVE, STAGED, STAGE_WAIT, DURABLE, SAVE_FAILED, PERSIST_FAILED, LOAD, TRAIN_STEP, ALIVE, END)
 TIERS = ("local", "replica", "persistent")
 
 #: Kinds that are written at once: they are rare (checkpoint-scale) and the report needs them.
-_IMMEDIATE = frozenset(KINDS) - {TRAIN_STEP}
+_IMMEDIATE = frozenset(KINDS) - {TRAIN_STEP, ALIVE}
 
 
 def event_file_name(rank: int, pid: int) -> str:
@@ -81,7 +90,7 @@ class EventRecorder:
         rank: int = 0,
         *,
         clock: Callable[[], float] = time.time,
-        flush_interval_s: float = 1.0,
+        flush_interval_s: float = 0.5,
         flush_every: int = 256,
     ) -> None:
         if rank < 0:
@@ -96,34 +105,43 @@ class EventRecorder:
         self._clock = clock
         self._flush_interval_s = flush_interval_s
         self._flush_every = flush_every
-        self._lock = threading.Lock()
-        self._pending: list[str] = []
-        self._last_flush = time.monotonic()
-        self.dropped = 0  # events lost to an I/O error; visible, never raised
+        self._pending: deque[str] = deque()  # appended by any thread, drained by the writer
+        self._lock = threading.Lock()  # the file: the writer thread, flush() and close()
+        self._wake = threading.Event()
+        self._closed = False
+        self._alive_t = 0.0  # when the latest optimizer step began (alive())
+        self._alive_told = 0.0
+        self.dropped = 0  # events lost to an I/O error or recorded after close(); never raised
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / event_file_name(rank, self.pid)
         self._file: Any = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._thread = threading.Thread(target=self._run, name="incluster-events", daemon=True)
+        self._thread.start()
 
     def record(self, kind: str, **fields: Any) -> None:
         """Record one event now. ``kind`` is one of ``KINDS``; fields should be JSON-able
         (anything else is written as its ``str``)."""
         if kind not in KINDS:
             raise ValueError(f"unknown event kind {kind!r}; use one of {', '.join(KINDS)}")
+        if self._closed:
+            self.dropped += 1
+            return
         event = {"t": self._clock(), "kind": kind, "rank": self.rank, "pid": self.pid}
         event.update(fields)
         # default=str: an odd field value (a Path, a tensor's item) must not stop training
-        line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
-        with self._lock:
-            if self._file is None:
-                self.dropped += 1
-                return
-            self._pending.append(line)
-            if (
-                kind in _IMMEDIATE
-                or len(self._pending) >= self._flush_every
-                or time.monotonic() - self._last_flush >= self._flush_interval_s
-            ):
-                self._write_locked()
+        self._pending.append(json.dumps(event, separators=(",", ":"), default=str) + "\n")
+        if kind in _IMMEDIATE or len(self._pending) >= self._flush_every:
+            self._wake.set()
+
+    def alive(self) -> None:
+        """Training is running (an optimizer step begins): a plain store, no I/O."""
+        self._alive_t = self._clock()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self._flush_interval_s)
+            self._wake.clear()
+            self.flush()
 
     def flush(self) -> None:
         """Write every pending event to the file."""
@@ -133,6 +151,10 @@ class EventRecorder:
 
     def close(self) -> None:
         """Flush and close. Later ``record()`` calls are counted in ``dropped``."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
         with self._lock:
             if self._file is None:
                 return
@@ -144,10 +166,16 @@ class EventRecorder:
             self._file = None
 
     def _write_locked(self) -> None:
-        self._last_flush = time.monotonic()
-        if not self._pending:
+        alive = self._alive_t
+        if alive > self._alive_told:
+            self._alive_told = alive
+            self._pending.append(json.dumps({"t": alive, "kind": ALIVE, "rank": self.rank, "pid": self.pid},
+                                            separators=(",", ":")) + "\n")
+        lines = []
+        while self._pending:
+            lines.append(self._pending.popleft())
+        if not lines:
             return
-        lines, self._pending = self._pending, []
         try:
             self._file.write("".join(lines))
             self._file.flush()
@@ -170,6 +198,9 @@ class NullRecorder:
     def record(self, kind: str, **fields: Any) -> None:
         """Do nothing."""
 
+    def alive(self) -> None:
+        """Do nothing."""
+
     def flush(self) -> None:
         """Do nothing."""
 
@@ -187,6 +218,7 @@ class NullRecorder:
 NULL_RECORDER = NullRecorder()
 
 __all__ = [
+    "ALIVE",
     "DURABLE",
     "END",
     "KINDS",

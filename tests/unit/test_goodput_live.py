@@ -1,0 +1,52 @@
+"""Goodput measured on a real Checkpointer: what a SIGKILL costs lands in lost progress."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from incluster.goodput.report import build_report
+
+CHILD = """
+import os, signal, sys, time
+import torch
+import incluster
+
+local_dir, run_dir, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = torch.nn.Linear(16, 16)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = {"model": model, "opt": opt}
+ck = incluster.Checkpointer(local_dir=local_dir, job="g", writer="thread", run_dir=run_dir)
+start = ck.load(state)
+if attempt == 1:
+    ck.close()
+    sys.exit(0)
+for step in range(100):
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.05)
+    if step == 20:
+        ck.save(step, state).wait()
+        saved = time.time()
+    if step > 20 and time.time() - saved >= 1.2:
+        os.kill(os.getpid(), signal.SIGKILL)  # 1.2 s of training after the last save is lost
+"""
+
+
+@pytest.mark.timeout(120)
+def test_work_since_the_last_save_that_a_sigkill_lost_is_lost_progress_without_record_step(local_dir, tmp_path: Path) -> None:
+    """No record_step() calls: the report used to see progress only at saves, so the
+    1.2 s trained after the last save was counted as restart time, not lost progress."""
+    run_dir = tmp_path / "run"
+    for attempt in (0, 1):
+        p = subprocess.run([sys.executable, "-c", CHILD, local_dir, str(run_dir), str(attempt)],
+                           capture_output=True, text=True, timeout=90)
+        assert p.returncode == (-9 if attempt == 0 else 0), p.stderr[-3000:]
+    rep = build_report(run_dir)
+    assert rep.attempts == 2
+    lost = rep.to_dict()["badput_s"]["lost_progress"]
+    assert 0.6 <= lost <= 1.4, rep.to_dict()["badput_s"]
