@@ -97,6 +97,19 @@ def list_manifested(tier: Any, job: str, timeout: float | None = None) -> list[i
     return box["steps"]  # type: ignore[no-any-return]
 
 
+def fix_for(error: str) -> str:
+    """What to check, for an upload error's text ("" when there is nothing to add)."""
+    if any(k in error for k in ("PermissionError", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                "Forbidden")):
+        return (" - the tier refused these credentials or this path: check the key and secret "
+                "(persistent_options, or the AWS settings) and the bucket's policy")
+    if any(k in error for k in ("EndpointConnectionError", "ConnectionRefused", "Connection refused", "ConnectTimeout",
+                                "ReadTimeout", "TimeoutError", "ConnectionError")):
+        return (" - the tier did not answer: check that it is up, and its endpoint (persistent_options "
+                "client_kwargs endpoint_url, or AWS_ENDPOINT_URL)")
+    return ""
+
+
 class Uploader:
     def __init__(self, params: PersistParams, coord: Coordinator, decisions: Coordinator | None = None) -> None:
         self.p = params
@@ -105,12 +118,18 @@ class Uploader:
         # blocking wait at a time, and an upload's count must never queue behind one.
         self.decisions = decisions or coord
         self.tier = open_tier(params.url, params.options)
+        # An object store's client retries on its own (botocore and s3fs: about 18 s for a
+        # refused endpoint); retrying around it again multiplied that, so a store that was
+        # down held close() for minutes. Its own policy rules (persistent_options).
+        self.retries = 1 if getattr(self.tier, "posix", True) is False else params.retries
         self._busy = threading.Lock()
         self._last_t: float | None = None  # rank 0: when the last time-based persistent save was due
         self._decide_lock = threading.Lock()
         self.skipped = 0
         self.failed = 0
         self.uploading: int | None = None  # the step whose upload runs
+        self.trouble: str | None = None  # the error the running upload is retrying after
+        self._trouble_told: int | None = None  # the upload whose trouble a skip warning named
         # close() may give up on an upload that still runs (a hung store); with the writer
         # on the trainer's threads that upload goes on, and must then write no manifest.
         self._fate = threading.Lock()
@@ -165,7 +184,14 @@ class Uploader:
     def _start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None]) -> bool:
         if not self._busy.acquire(blocking=False):
             self.skipped += 1
-            if self.skipped == 1:
+            trouble, running = self.trouble, self.uploading
+            if trouble is not None and running != self._trouble_told:
+                self._trouble_told = running
+                log.warning("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
+                            "retrying after an error (%s)%s. Saves to the cluster's RAM go on; persistent saves are "
+                            "skipped until it ends (counted, logged at INFO)", self.p.rank, step, running, trouble,
+                            fix_for(trouble) or "; the persistent tier may be down or unreachable")
+            elif self.skipped == 1:
                 log.warning("incluster: rank %d skips the persistent save of step %d: the previous upload is "
                             "still running. Uploads take longer than persistent_every saves apart: raise "
                             "persistent_every, or use persistent_interval_s (later skips are logged at INFO, "
@@ -178,6 +204,7 @@ class Uploader:
 
         with self._fate:
             self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
+            self.trouble = None
 
         def run() -> None:
             err = None
@@ -201,6 +228,7 @@ class Uploader:
                 return
             if err is not None:
                 self.failed += 1
+                err += fix_for(err)
                 log.warning("incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
             done(err)
 
@@ -209,12 +237,13 @@ class Uploader:
 
     def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
         delay = 0.5
-        for attempt in range(1, self.p.retries + 1):
+        for attempt in range(1, self.retries + 1):
             try:
                 return fn()
             except (OSError, TimeoutError, ConnectionError) as exc:
-                if attempt == self.p.retries:
+                if attempt == self.retries or isinstance(exc, PermissionError):  # refused: no retry helps
                     raise
+                self.trouble = f"{what}: {type(exc).__name__}: {exc}"
                 log.info("incluster: %s failed (%s); retry %d in %.1f s", what, exc, attempt, delay)
                 time.sleep(delay)
                 delay *= 2

@@ -93,14 +93,17 @@ class FsspecTier:
         listed as an empty tier (a restart would start afresh beside the real one)."""
         if self.bucket is None or self._bucket_seen:
             return
-        with _BackendErrors(self, f"looking up the bucket {self.bucket}"):
-            seen = self.fs.exists(self.bucket)
-        if not seen:
+        try:
+            with _BackendErrors(self, f"looking up the bucket {self.bucket}"):
+                self.fs.info(self.bucket)  # an unreachable store raises its own error, not this one
+        except FileNotFoundError:
             raise TierUnavailableError(
                 f"the bucket {self.bucket!r} of the persistent tier {self.url!r} does not exist, or these "
                 f"credentials cannot see it. incluster never creates buckets: create it, or fix persistent= "
                 f"(and persistent_options / the AWS settings for its endpoint and credentials)"
-            )
+            ) from None
+        except PermissionError:
+            pass  # refused a look at the bucket (it exists): the operation itself says what it may do
         self._bucket_seen = True
 
     def _pace(self, started: float, done: int) -> None:

@@ -1,0 +1,67 @@
+"""A persistent tier that refuses or stops answering: what the user is told, and how soon."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+
+import pytest
+import torch
+
+import incluster
+from incluster.testing.tiers import FaultyTier
+from incluster.tiers.persistent import FsspecTier
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((5000,), v)}
+
+
+def test_refused_credentials_fail_at_once_and_name_what_to_check(local_dir, tmp_path):
+    """A permission error cannot pass on a retry: one attempt, and the fix is named."""
+    tier = FaultyTier(FsspecTier(str(tmp_path / "persist")), ops=("write",), errno_=errno.EACCES)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=tier,
+                                persistent_every=1) as ck:
+        h = ck.save(0, _state(0.0))
+        with pytest.raises(incluster.TierUnavailableError, match="refused these credentials.*persistent_options"):
+            h.persisted.result(30)
+    assert tier.calls == 1
+
+
+def test_a_skip_while_the_upload_retries_says_the_tier_is_failing_not_slow(local_dir, tmp_path, caplog):
+    """The advice for uploads that are merely slow (raise persistent_every) is wrong when
+    the running upload is retrying after errors: the warning says what failed instead."""
+    tier = FaultyTier(FsspecTier(str(tmp_path / "persist")), ops=("write",), times=2)
+    with caplog.at_level(logging.INFO, logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=tier,
+                                    persistent_every=1) as ck:
+            first = ck.save(0, _state(0.0))
+            first.wait(30)
+            deadline = time.monotonic() + 10
+            while not tier.failures and time.monotonic() < deadline:  # then the upload waits to retry
+                time.sleep(0.01)
+            second = ck.save(1, _state(1.0))
+            assert second.persisted.result(30) is False
+            assert first.persisted.result(30) is True  # the third attempt got through
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "skips" in r.getMessage()]
+    assert len(warned) == 1 and "still retrying after an error" in warned[0], warned
+    assert "the tier did not answer" in warned[0] and "raise persistent_every" not in warned[0]
+
+
+def test_an_endpoint_that_refuses_connections_is_named_as_such_and_tried_once(local_dir):
+    """Not taken for a missing bucket; one attempt through the client's own retries (the
+    client's policy - here one attempt - rules, not a second loop of retries around it)."""
+    from incluster.testing.launch import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": dead, "region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent="s3://bkt/run",
+                                persistent_options=opts, persistent_every=1) as ck:
+        h = ck.save(0, _state(0.0))
+        t0 = time.monotonic()
+        with pytest.raises(incluster.TierUnavailableError, match="the tier did not answer") as err:
+            h.persisted.result(60)
+        assert time.monotonic() - t0 < 15
+    assert "does not exist" not in str(err.value)
