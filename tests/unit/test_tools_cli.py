@@ -253,6 +253,19 @@ def test_export_uses_a_replica_when_the_own_copy_is_corrupt(cluster: dict[str, s
     assert torch.equal(obj["model/w"], W) and math.isnan(obj["progress/lr"]) and obj["progress/name"] == "rank0"
 
 
+def test_export_never_overwrites_and_names_the_steps_there(cluster: dict[str, str], tmp_path: Any,
+                                                          capsys: Any) -> None:
+    """--to torch and safetensors replaced an existing OUT silently (dcp refused it)."""
+    for fmt in ("torch", "safetensors"):
+        out = tmp_path / f"old.{fmt}"
+        out.write_bytes(b"keep me")
+        code, text = inproc(capsys, "export", *cluster.values(), "--step", "10", "--to", fmt, str(out))
+        assert code == 2 and "already exists; remove it or choose another OUT" in text, text
+        assert out.read_bytes() == b"keep me"
+    code, text = inproc(capsys, "export", *cluster.values(), "--step", "4", "--to", "torch", str(tmp_path / "n.pt"))
+    assert code == 1 and "no step 4 found" in text and "steps there: 10" in text, text
+
+
 def test_export_refuses_when_every_copy_of_a_rank_is_corrupt(cluster: dict[str, str], tmp_path: Any,
                                                              capsys: Any) -> None:
     for node in cluster.values():

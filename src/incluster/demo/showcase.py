@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         state: dict[str, Any] = {"model": model, "optim": optim, "progress": {"step": 0, "tokens": 0}}
         ckpt = incluster.Checkpointer(local_dir=base, job="demo")
-        con.print(f"[bold]incluster demo[/] — RAM-disk folder {ckpt.folder}")
+        con.print(f"[bold]incluster showcase[/] — RAM-disk folder {ckpt.folder}")
         handles = []
         for step in range(args.steps):
             x = torch.randn(32, 1024)

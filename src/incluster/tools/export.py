@@ -174,12 +174,17 @@ def write_torch(state: Assembled, out: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     out, err = consoles()
+    if os.path.lexists(args.out):  # every format alike: an export never overwrites anything
+        line(err, "[red]error:[/]", f"{args.out} already exists; remove it or choose another OUT")
+        return 2
     inv = load(args, err)
     if inv is None:
         return 2
     jobs = sorted({c.job for c in inv.copies if c.step == args.step})
     if not jobs:
-        line(out, "[red]refused:[/]", f"no step {args.step} found under {', '.join(args.dirs + args.persistent)}")
+        have = sorted({c.step for c in inv.copies})
+        line(out, "[red]refused:[/]", f"no step {args.step} found under {', '.join(args.dirs + args.persistent)}"
+             + (f"; steps there: {', '.join(map(str, have[-12:]))}" if have else "; no steps there at all"))
         return 1
     if len(jobs) > 1:
         line(err, "[red]error:[/]", f"jobs {', '.join(jobs)} all have step {args.step}; choose one with --job")
