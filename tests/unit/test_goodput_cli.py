@@ -80,3 +80,16 @@ def test_plot_writes_the_figure_and_prints_its_numbers(tmp_path: Path) -> None:
     assert curves[CONFIGURATIONS[0]][19] == pytest.approx(100 * want.checkpoint_badput)
     p = run("plot", "-o", str(out), "--costs", str(tmp_path / "nope.json"))
     assert p.returncode == 2 and "cannot read costs" in p.stderr
+
+
+def test_plan_warns_where_the_interval_cannot_be_kept_or_the_model_does_not_hold() -> None:
+    p = run("plan", "--gpus", "1000", "--interruptions-per-day", "5", "--interval-s", "0.1", "--json")
+    assert p.returncode == 0, p.stderr
+    warnings = json.loads(p.stdout)["warnings"]
+    assert any("under the shortest one possible" in w for w in warnings)
+    assert any("the local tier takes every save" in w for w in warnings)
+    p = run("plan", "--gpus", "1000", "--interruptions-per-day", "100000")
+    assert p.returncode == 0, p.stderr
+    assert "outside its range" in " ".join(p.stdout.split()) and "-0.000" not in p.stdout
+    p = run("plan", "--gpus", "1000", "--interruptions-per-day", "5", "--json")
+    assert json.loads(p.stdout)["warnings"] == []

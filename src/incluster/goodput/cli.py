@@ -77,6 +77,30 @@ def plan_config(args: argparse.Namespace) -> ModelConfig:
     return cfg
 
 
+def plan_warnings(cfg: ModelConfig, r: ModelResult) -> list[str]:
+    """Where the plan asked for cannot be kept, or the model is outside its range."""
+    out = []
+    tau = r.interval_s
+    if tau < cfg.min_interval_s:
+        out.append(f"an interval of {tau:g} s is under the shortest one possible ({cfg.min_interval_s:g} s: a "
+                   f"step); saves come between steps")
+    t0 = cfg.tiers[0]
+    if tau + cfg.blocking_s < t0.time_to_recoverable_s:
+        out.append(f"the {t0.name} tier takes every save but a save is ready there only "
+                   f"{t0.time_to_recoverable_s:.2f} s after it starts: saves {tau:g} s apart would wait for "
+                   f"the one before (save() blocks), which the model does not count")
+    if cfg.rate_per_s * (tau + cfg.blocking_s) > 0.5:
+        out.append(f"failures come every {1 / cfg.rate_per_s:.0f} s on average, within about two intervals: the "
+                   f"first-order model (Young/Daly) is outside its range and its numbers are rough at best")
+    return out
+
+
+def _pct(share: float) -> str:
+    """A share in percent, never "-0.000"."""
+    v = 100 * share
+    return f"{0.0 if abs(v) < 5e-4 else v:.3f}"
+
+
 def _result_dict(cfg: ModelConfig, r: ModelResult) -> dict[str, Any]:
     return {
         "interval_s": r.interval_s,
@@ -114,6 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                "interruptions_per_day": args.interruptions_per_day,
                "costs": costs.to_dict(),
                "plan": _result_dict(cfg, result),
+               "warnings": plan_warnings(cfg, result),
                "compare": {n: _result_dict(configs[n], r) for n, r in compare.items()}}
         print(json.dumps(out, indent=2))
         return 0
@@ -124,7 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     steps = result.interval_s / costs.step_s
     t = Table(title=f"plan: {args.config}; {args.gpus} GPUs, {args.interruptions_per_day:g} "
                     f"interruptions/day, {args.state_gib:g} GiB/rank")
-    for col in ("tier", "serves", "ready after", "reload", "keeps", "interval", "lost/fail"):
+    for col in ("tier", "serves", "ready after", "reload", "keeps", "period", "lost/fail"):
         t.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
     for tier, k, iv, lost in zip(cfg.tiers, result.tier_every, result.tier_interval_s,
                                  result.lost_per_failure_s):
@@ -133,7 +158,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   "all" if k == 1 else f"1 in {k}", f"{iv:.1f} s", f"{lost:.1f} s")
     con.print(t)
     con.print(f"save every {result.interval_s:.1f} s of compute (~{steps:.0f} steps at "
-              f"{costs.step_s:g} s/step); each save blocks {_secs(cfg.blocking_s)}")
+              f"{costs.step_s:g} s/step); each save blocks {_secs(cfg.blocking_s)}; a tier's period is the "
+              f"time between the saves it keeps, blocking included")
+    for w in plan_warnings(cfg, result):
+        con.print(f"[yellow]warning:[/] {w}")
     b = Table(title="expected badput")
     for col in ("category", "% of GPU time", "GPU-hours/day"):
         b.add_column(col, justify="left" if col == "category" else "right")
@@ -141,14 +169,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for name, share in (("checkpoint save", result.save), ("lost progress", result.lost),
                         ("checkpoint load", result.reload), ("restart", result.restart),
                         ("total", result.badput)):
-        b.add_row(name, f"{100 * share:.3f}", f"{share * gh:.1f}")
+        b.add_row(name, _pct(share), f"{share * gh:.1f}")
     con.print(b)
     c = Table(title="each configuration at its optimal interval")
     for col in ("configuration", "interval", "total %", "ckpt %", "GPU-h/day"):
         c.add_column(col, justify="left" if col == "configuration" else "right")
     for name, r in compare.items():
-        c.add_row(name, f"{r.interval_s:.1f} s", f"{100 * r.badput:.3f}",
-                  f"{100 * r.checkpoint_badput:.3f}", f"{r.gpu_hours_per_day:.1f}")
+        c.add_row(name, f"{r.interval_s:.1f} s", _pct(r.badput), _pct(r.checkpoint_badput),
+                  f"{r.gpu_hours_per_day:.1f}")
     con.print(c)
     return 0
 
