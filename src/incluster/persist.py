@@ -130,6 +130,8 @@ class Uploader:
         self.uploading: int | None = None  # the step whose upload runs
         self.trouble: str | None = None  # the error the running upload is retrying after
         self._trouble_told: int | None = None  # the upload whose trouble a skip warning named
+        self._began = 0.0  # when the running upload started
+        self._last_took: float | None = None  # how long the last upload that got through took
         # close() may give up on an upload that still runs (a hung store); with the writer
         # on the trainer's threads that upload goes on, and must then write no manifest.
         self._fate = threading.Lock()
@@ -185,26 +187,37 @@ class Uploader:
         if not self._busy.acquire(blocking=False):
             self.skipped += 1
             trouble, running = self.trouble, self.uploading
+            ran = time.monotonic() - self._began
+            took = f"; the last one took {self._last_took:.1f} s" if self._last_took is not None else ""
+            stuck = self._last_took is not None and ran > max(5 * self._last_took, 30.0)
             if trouble is not None and running != self._trouble_told:
                 self._trouble_told = running
                 log.warning("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
                             "retrying after an error (%s)%s. Saves to the cluster's RAM go on; persistent saves are "
                             "skipped until it ends (counted, logged at INFO)", self.p.rank, step, running, trouble,
                             fix_for(trouble) or "; the persistent tier may be down or unreachable")
+            elif stuck and running != self._trouble_told:
+                self._trouble_told = running
+                log.warning("incluster: rank %d skips the persistent save of step %d: the upload of step %s has run "
+                            "for %.0f s%s: the persistent tier is slow or not answering. Saves to the cluster's RAM "
+                            "go on", self.p.rank, step, running, ran, took)
             elif self.skipped == 1:
-                log.warning("incluster: rank %d skips the persistent save of step %d: the previous upload is "
-                            "still running. Uploads take longer than persistent_every saves apart: raise "
-                            "persistent_every, or use persistent_interval_s (later skips are logged at INFO, "
-                            "counted)", self.p.rank, step)
+                log.warning("incluster: rank %d skips the persistent save of step %d: the upload of step %s is "
+                            "still running (for %.1f s%s). Uploads take longer than persistent_every saves apart: "
+                            "raise persistent_every, or use persistent_interval_s (later skips are logged at INFO, "
+                            "counted)", self.p.rank, step, running, ran, took)
             else:
-                log.info("incluster: rank %d skips the persistent save of step %d: the previous upload is still "
-                         "running (%d skipped so far)", self.p.rank, step, self.skipped)
+                log.info("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
+                         "running, for %.1f s (%d skipped so far)", self.p.rank, step, running, ran, self.skipped)
             self.coord.persist_outcome(step, f"fail:{self.p.rank}:skipped, previous upload still running", 0)
             return False
 
         with self._fate:
             self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
             self.trouble = None
+            self._began = time.monotonic()
+
+        began = self._began
 
         def run() -> None:
             err = None
@@ -226,7 +239,9 @@ class Uploader:
                 log.info("incluster: rank %d: the upload of step %d that close() gave up on ended (%s)",
                          self.p.rank, step, err or "uploaded; no manifest")
                 return
-            if err is not None:
+            if err is None:
+                self._last_took = time.monotonic() - began
+            else:
                 self.failed += 1
                 err += fix_for(err)
                 log.warning("incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
