@@ -9,7 +9,8 @@ step 4 (training goes on at the new size). Each rank writes OUT_DIR/result-PHASE
 With RESHARD_PERSISTENT=DIR every save also goes to that persistent folder;
 RESHARD_MESH_SAVE / RESHARD_MESH_LOAD="2,2" make that phase HSDP on a 2 x 2 mesh;
 RESHARD_RULE sets reshard_rank_state; WIRE_PIECE=N moves the pieces through the staged
-wire NCCL uses, with CPU buffers of N bytes (the result records the most any move held).
+wire NCCL uses, with CPU buffers of N bytes (the result records the most any move held);
+WRITER=thread|process picks the writer (default process).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> int:
     tier = os.environ.get("RESHARD_PERSISTENT")  # a folder: every save also goes there
     rule = os.environ.get("RESHARD_RULE", "same-rank")
     ck = incluster.Checkpointer(job="reshard", replicas=1, slot_timeout_s=60, persistent=tier, persistent_every=1,
-                                reshard_rank_state=rule)
+                                reshard_rank_state=rule, writer=os.environ.get("WRITER", "process"))
     res: dict = {"world": world}
     try:
         if phase == "save":
