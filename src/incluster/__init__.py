@@ -1,7 +1,12 @@
-"""incluster: in-cluster, multi-tier, asynchronous checkpointing for PyTorch."""
+"""incluster: in-cluster, multi-tier, asynchronous checkpointing for PyTorch.
 
-from incluster.checkpointer import Checkpointer
-from incluster.config import Config
+``Checkpointer``, ``Config`` and ``SaveHandle`` are imported on first use, so the command
+line tools that need no torch (``incluster goodput``, ``--help``) start in a fraction of
+a second.
+"""
+
+from typing import TYPE_CHECKING, Any
+
 from incluster.errors import (
     CheckpointError,
     CommitError,
@@ -12,9 +17,24 @@ from incluster.errors import (
     WriterProcessDied,
 )
 
-from incluster.handle import SaveHandle
+if TYPE_CHECKING:
+    from incluster.checkpointer import Checkpointer
+    from incluster.config import Config
+    from incluster.handle import SaveHandle
 
 __version__ = "0.1.0"
+
+_LAZY = {"Checkpointer": "incluster.checkpointer", "Config": "incluster.config", "SaveHandle": "incluster.handle"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'incluster' has no attribute {name!r}")
 
 __all__ = [
     "Checkpointer",

@@ -13,9 +13,10 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def register(sub: Any) -> None:
@@ -28,6 +29,8 @@ def register(sub: Any) -> None:
 
 
 def _model(mib: int) -> torch.nn.Module:
+    import torch
+
     width = 1024
     layers = max(1, (mib * 2**20) // (3 * 4 * width * width))  # params + AdamW's two moments
     torch.manual_seed(0)
@@ -37,6 +40,8 @@ def _model(mib: int) -> torch.nn.Module:
 def _floor_copy(nbytes: int) -> tuple[float, float]:
     """Seconds to copy ``nbytes`` with one ``copy_``: into memory touched before (median of
     3), and into fresh memory, page faults included (what a restarted process pays)."""
+    import torch
+
     src = torch.ones(nbytes // 4)
     t = time.perf_counter()
     dst = torch.empty_like(src)
@@ -51,6 +56,8 @@ def _floor_copy(nbytes: int) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from rich.console import Console
     from rich.table import Table
 

@@ -62,18 +62,28 @@ def _here_by_default(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
     return with_dirs
 
 
+def _later(module: str) -> Callable[[argparse.Namespace], int]:
+    """``module.run``, imported when the command runs: building the parser stays light
+    (the tools read shards with torch; ``incluster goodput`` and ``--help`` need none)."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).run(args))
+
+    return run
+
+
 def register(sub: Any) -> None:
     """Add ``ls``, ``verify`` and ``export`` to an argparse sub-parsers object."""
-    from incluster.tools import export, ls, verify
-
     p = sub.add_parser("ls", help="list stored checkpoints: steps, ranks, nodes, tiers, sizes, completeness")
     _locations(p, optional=True)
-    p.set_defaults(func=_here_by_default(ls.run))
+    p.set_defaults(func=_here_by_default(_later("incluster.tools.ls")))
 
     p = sub.add_parser("verify", help="check every stored copy's checksums; non-zero exit on any fault")
     _locations(p, optional=True)
     p.add_argument("--step", type=int, default=None, help="only this step (default: every step)")
-    p.set_defaults(func=_here_by_default(verify.run))
+    p.set_defaults(func=_here_by_default(_later("incluster.tools.verify")))
 
     p = sub.add_parser("export", help="assemble one full state dict from every rank's shard of a step")
     _locations(p)
@@ -85,4 +95,4 @@ def register(sub: Any) -> None:
                         "world size)")
     p.add_argument("out", metavar="OUT", help="the file to write (for dcp, a new folder)")
     _intermixed(p)
-    p.set_defaults(func=export.run)
+    p.set_defaults(func=_later("incluster.tools.export"))
