@@ -28,12 +28,18 @@ _LAZY = {"Checkpointer": "incluster.checkpointer", "Config": "incluster.config",
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if not name.startswith("_"):  # ``incluster.config.resolve`` after a bare ``import incluster``
+        try:
+            return importlib.import_module(f"incluster.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"incluster.{name}":
+                raise
     raise AttributeError(f"module 'incluster' has no attribute {name!r}")
 
 __all__ = [
