@@ -147,6 +147,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._store_address = address
         self._loads = 0  # load() calls so far: the n-th of every rank meet (recovery/meet.py)
         self._loaded = False  # a load() returned: saves go on from the timeline it chose
+        self._restored = -1  # the step the last load() restored (saves must be newer)
         params = WriterParams(
             rank=self.rank,
             gen=next_generation(),
@@ -253,6 +254,10 @@ class Checkpointer(SavePipeline, LoadPipeline):
                     exc.add_note(f"save({step}) raised this error of an earlier save instead of starting: step "
                                  f"{step} is not saved (on any rank); the next save() goes on as usual")
                 raise
+            if step <= self._restored:  # a slot need not hold the restored step (resharded, or not healed)
+                raise CheckpointError(
+                    f"step {step} is not newer than step {self._restored}, which load() restored; checkpoint "
+                    f"steps must increase (continue from the step load() returned)")
             snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers)
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)

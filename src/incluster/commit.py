@@ -66,6 +66,10 @@ class Coordinator(Protocol):
     def persist_outcome(self, step: int, value: str | None, timeout: float) -> str:
         """Set (value given) or wait for (value None) ``step``'s persistent outcome."""
 
+    def persist_gate(self, step: int, value: str | None, timeout: float) -> str:
+        """Rank 0 sets (value given), the other ranks wait for (value None), whether
+        ``step``'s upload may write: "ok", or "fail:0:why". First value wins."""
+
     def close(self) -> None: ...
 
 
@@ -97,6 +101,9 @@ class SoloCoordinator:
         if value is not None:
             return self._persist.setdefault(step, value)  # first value wins, as in the store
         return self._persist.get(step, "fail:0:no outcome")
+
+    def persist_gate(self, step: int, value: str | None, timeout: float) -> str:
+        return "ok" if value is None else value  # one rank: it is rank 0, and decides alone
 
     def close(self) -> None:
         pass
@@ -206,14 +213,19 @@ class StoreCoordinator:
         return [v.decode() for v in self.store.multi_get(keys)]
 
     def persist_outcome(self, step: int, value: str | None, timeout: float) -> str:
-        key = self._k("po", step)
+        return self._set_or_wait(self._k("po", step), value, timeout, "no outcome")
+
+    def persist_gate(self, step: int, value: str | None, timeout: float) -> str:
+        return self._set_or_wait(self._k("pg", step), value, timeout, "rank 0 did not open the upload")
+
+    def _set_or_wait(self, key: str, value: str | None, timeout: float, missing: str) -> str:
         if value is not None:
             return self.store.compare_set(key, "", value).decode()
         self.store.set_timeout(datetime.timedelta(seconds=timeout))
         try:
             return self.store.get(key).decode()
         except Exception as exc:  # noqa: BLE001 - a timeout or a lost store: not persisted
-            return f"fail:?:no outcome within {timeout:.0f} s ({str(exc)[:80]})"
+            return f"fail:?:{missing} within {timeout:.0f} s ({str(exc)[:80]})"
 
     def close(self) -> None:
         self.store = None  # type: ignore[assignment]

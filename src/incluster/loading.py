@@ -45,6 +45,7 @@ class LoadPipeline:
     _healing: "Future[None] | None"
     _old_world: int | None
     _highest: int
+    _restored: int
     _job_derived: bool
     _closed: bool
     _errors: list[Any]
@@ -105,7 +106,7 @@ class LoadPipeline:
             self._old_world = report.old_world
         if report.step is not None:
             self.ring.reset_to(report.step)
-            self._highest = report.step
+            self._highest = self._restored = report.step
             # A resharded step has no copy in this world's layout to replicate: the next save makes one.
             replicate = bool(self.replica_targets or self.world_size > 1) and report.source != "reshard"
             if heal is not None:

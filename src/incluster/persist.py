@@ -110,6 +110,10 @@ def fix_for(error: str) -> str:
     return ""
 
 
+class _Cancelled(Exception):
+    """close() gave up on the upload: it stops before its next operation on the tier."""
+
+
 class Uploader:
     def __init__(self, params: PersistParams, coord: Coordinator, decisions: Coordinator | None = None) -> None:
         self.p = params
@@ -138,7 +142,8 @@ class Uploader:
         self._cancelled = False
         self._counted = False  # this rank's shard of the upload in flight was counted
         self._done: Callable[[str | None], None] | None = None
-        self._timeline_checked = False  # rank 0: steps of an abandoned timeline were removed
+        self._newer_told = False  # rank 0: the steps of a timeline not continued were named
+        self._completing = False  # this rank's count completed the upload in flight: it writes the manifest
         self.loaded = False  # the save being uploaded came after a load() (CommitRequest.loaded)
 
     def due(self, step: int, ordinal: int) -> bool:
@@ -179,15 +184,28 @@ class Uploader:
 
     def failed_step(self, step: int) -> None:
         """``step`` failed here: with ``interval_s``, rank 0 marks it not due, so no rank
-        waits for a decision that would never come."""
+        waits for a decision that would never come; rank 0 also closes its upload's gate,
+        which the other ranks' uploads of it would wait for."""
         if self.p.interval_s is not None and self.p.rank == 0:
             self.decisions.persist_outcome(-step - 1, "0", 0)
+        if self.p.rank == 0:
+            self.coord.persist_gate(step, f"fail:0:step {step} failed on rank 0", 0)
+
+    def _publish_failure(self, step: int, why: str) -> None:
+        """Every rank learns at once that ``step`` gets no manifest (instead of waiting
+        timeout_s for a count or a gate that will not come). First value wins."""
+        try:
+            if self.p.rank == 0:
+                self.coord.persist_gate(step, f"fail:0:{why}", 0)
+            self.coord.persist_outcome(step, f"fail:{self.p.rank}:{why}", 0)
+        except Exception:  # noqa: BLE001 - the store is gone: they time out
+            pass
 
     def _start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None]) -> bool:
         if not self._busy.acquire(blocking=False):
             self.skipped += 1
-            trouble, running = self.trouble, self.uploading
-            ran = time.monotonic() - self._began
+            with self._fate:
+                trouble, running, ran = self.trouble, self.uploading, time.monotonic() - self._began
             took = f"; the last one took {self._last_took:.1f} s" if self._last_took is not None else ""
             stuck = self._last_took is not None and ran > max(5 * self._last_took, 30.0)
             if trouble is not None and running != self._trouble_told:
@@ -209,12 +227,12 @@ class Uploader:
             else:
                 log.info("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
                          "running, for %.1f s (%d skipped so far)", self.p.rank, step, running, ran, self.skipped)
-            self.coord.persist_outcome(step, f"fail:{self.p.rank}:skipped, previous upload still running", 0)
+            self._publish_failure(step, "skipped, previous upload still running")
             return False
 
         with self._fate:
             self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
-            self.trouble = None
+            self.trouble, self._completing = None, False
             self._began = time.monotonic()
 
         began = self._began
@@ -226,10 +244,7 @@ class Uploader:
             except BaseException as exc:  # noqa: BLE001 - reported, never raised into training
                 err = f"{type(exc).__name__}: {exc}"
                 del exc  # its frames hold views of the slot's mapping
-                try:  # the other ranks learn at once, instead of waiting timeout_s for the count
-                    self.coord.persist_outcome(step, f"fail:{self.p.rank}:{err[:300]}", 0)
-                except Exception:  # noqa: BLE001 - the store is gone: they time out
-                    pass
+                self._publish_failure(step, err[:300])
             finally:
                 with self._fate:
                     self.uploading = None
@@ -253,8 +268,12 @@ class Uploader:
     def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
         delay = 0.5
         for attempt in range(1, self.retries + 1):
+            if self._cancelled:  # close() gave up on this upload: it touches the tier no more
+                raise _Cancelled(CANCELLED)
             try:
-                return fn()
+                value = fn()
+                self.trouble = None
+                return value
             except (OSError, TimeoutError, ConnectionError) as exc:
                 if attempt == self.retries or isinstance(exc, PermissionError):  # refused: no retry helps
                     raise
@@ -268,9 +287,13 @@ class Uploader:
         d = step_dir(self.p.job, step)
         name = f"rank-{self.p.rank:05d}"
         view = memoryview(buf)[:size] if size else memoryview(b"")
-        if self.p.rank == 0 and not self._timeline_checked:
-            self._retry("removing an abandoned timeline's steps", lambda: self._drop_abandoned(step))
-            self._timeline_checked = True
+        if self.p.rank == 0:
+            self._retry("opening the step in the persistent tier", lambda: self._open_step(step))
+            self.coord.persist_gate(step, "ok", 0)
+        else:  # nothing is written before rank 0 found the step free to write
+            gate = self.coord.persist_gate(step, None, self.p.timeout_s)
+            if gate != "ok":
+                return gate
         self._retry("shard upload", lambda: self.tier.write(f"{d}/{name}.safetensors", view))
         faults.check("upload", self.p.rank, step)
         self._retry("sidecar upload", lambda: self.tier.write(f"{d}/{name}.json", memoryview(sidecar)))
@@ -281,39 +304,48 @@ class Uploader:
                 return CANCELLED
             self._counted = True
         if self.coord.persisted(step, info):
+            self._completing = True
             infos = sorted((json.loads(i) for i in self.coord.persist_infos(step)), key=lambda i: i["rank"])
             manifest = {"format": "incluster-manifest", "version": 1, "job": self.p.job, "step": step,
                         "world_size": self.p.world_size, "ranks": infos, "created": time.time()}
             self._retry("manifest upload", lambda: self.tier.write(f"{d}/{MANIFEST}", memoryview(json.dumps(manifest).encode())))
             self.coord.persist_outcome(step, "ok", 0)
-            self._retention(step)
+            try:
+                self._retention(step)
+            except Exception as exc:  # noqa: BLE001 - the step is manifested: only the clean-up failed
+                log.warning("incluster: persistent retention after step %d failed (%s: %s); older steps stay "
+                            "until the next one", step, type(exc).__name__, exc)
         value = self.coord.persist_outcome(step, None, self.p.timeout_s)
         return None if value == "ok" else value
 
-    def _drop_abandoned(self, step: int) -> None:
-        """Rank 0, at this writer's first upload (of ``step``): steps only increase within a
-        run, so any step folder newer than ``step`` - and a manifest of ``step`` itself -
-        is left from a timeline this run did not continue (its restore went back past a
-        corrupt or incomplete step, or did not see this tier). They go: a later restore
-        must never go back to that timeline, retention must not count them among the
-        steps it keeps, and no old manifest may vouch for this upload's new shards. No
-        other rank can be uploading a step newer than ``step`` now: its manifest needs
-        rank 0's count, which comes after this."""
+    def _open_step(self, step: int) -> None:
+        """Rank 0, before any rank writes ``step``: steps only increase within a run, so a
+        manifest of ``step`` or a newer step already in the tier is from another timeline.
+        A run that never called load() would fork that timeline (and a restore would prefer
+        the newer steps to its own): refused. After a load(), a manifest of ``step`` itself
+        goes, so it never vouches for the new shards. Newer steps are kept: the restore may
+        have gone back past them for a passing reason (a read that failed, a tier it could
+        not list); retention never counts them, and deletes them once they are older than
+        the steps it keeps."""
         names = self.tier.list(self.p.job)
-        stale = sorted(int(m.group(1)) for m in map(_STEP.match, names) if m and int(m.group(1)) > step)
-        if not self.loaded and (stale or (step_dir(self.p.job, step).rsplit("/", 1)[1] in names
-                                          and MANIFEST in self.tier.list(step_dir(self.p.job, step)))):
+        steps = {int(m.group(1)) for m in map(_STEP.match, names) if m}
+        newer = sorted(s for s in steps if s > step)
+        here = step in steps and MANIFEST in self.tier.list(step_dir(self.p.job, step))
+        if not self.loaded and (newer or here):
             raise CheckpointError(
-                f"the persistent tier already holds step(s) {stale or [step]} of job {self.p.job!r}, as new as this "
+                f"the persistent tier already holds step(s) {newer or [step]} of job {self.p.job!r}, as new as this "
                 f"run's step {step} or newer, and this run did not call load(): it would overwrite or fork that "
                 f"job's timeline. Call load() first to go on from them, or name a new job")
-        if stale:
-            log.warning("incluster: the persistent tier holds step(s) %s, newer than this run's step %d: left from a "
-                        "timeline the run did not continue (its restore went back past them); they are removed",
-                        stale, step)
-        for s in stale:
-            self.tier.delete(step_dir(self.p.job, s))
-        self.tier.delete(f"{step_dir(self.p.job, step)}/{MANIFEST}")
+        if newer and not self._newer_told:
+            self._newer_told = True
+            log.warning("incluster: the persistent tier holds step(s) %s of job %r, newer than this run's step %d: "
+                        "from a timeline the run did not continue (its restore went back past them, or could not "
+                        "read them). They are kept, and a restore takes the newest step of every tier, so it may "
+                        "go back to them; delete their folders if it must not", newer, self.p.job, step)
+        if here:
+            log.info("incluster: the persistent tier's manifest of step %d (another timeline's) is removed before "
+                     "this run's shards of it are written", step)
+            self.tier.delete(f"{step_dir(self.p.job, step)}/{MANIFEST}")
 
     def _retention(self, newest: int) -> None:
         """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older."""
@@ -336,7 +368,7 @@ class Uploader:
             if step is None or self._cancelled:
                 return None
             self._cancelled = True
-            counted = self._counted
+            counted = self._counted and not self._completing  # the manifest writer's count is no promise
         if counted:
             why = (f"the upload had not finished when close() ended it, after this rank's shard was uploaded and "
                    f"counted: the other ranks may still complete step {step}'s manifest (`incluster ls` shows "
@@ -344,10 +376,7 @@ class Uploader:
         else:
             why = (f"the upload had not finished when close() ended it; it writes no manifest, so step {step} is "
                    f"not in the persistent tier (its previous persistent step stands)")
-            try:
-                self.coord.persist_outcome(step, f"fail:{self.p.rank}:{CANCELLED}", 0)
-            except Exception:  # noqa: BLE001 - the store may be gone at shut-down: the count never completes
-                pass
+            self._publish_failure(step, CANCELLED)
         if done is not None:
             done(why)
         return why

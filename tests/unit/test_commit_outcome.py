@@ -88,3 +88,28 @@ def test_an_upload_failing_on_one_rank_fails_it_on_every_rank_at_once(two_ranks,
     assert time.monotonic() - t0 < 15
     assert "refused write" in told[1] and told[0].startswith("fail:1:")
     assert not os.path.exists(os.path.join(root, "j", "step-000000000003", "COMMITTED.json"))
+
+
+def test_no_rank_writes_a_step_before_rank_0_found_it_free(two_ranks, tmp_path):
+    """A new run that never called load() saves step 3, which the tier holds from an
+    earlier run: rank 0 refuses it, and rank 1 must not have overwritten its shard of
+    that manifested step meanwhile (it wrote at once, and the step no longer verified)."""
+    import json as _json
+
+    from incluster.persist import PersistParams, Uploader
+    from incluster.tiers.persistent import FsspecTier
+
+    root = tmp_path / "persist"
+    step = root / "j" / "step-000000000003"
+    step.mkdir(parents=True)
+    (step / "rank-00001.safetensors").write_bytes(b"A" * 64)
+    (step / "COMMITTED.json").write_text(_json.dumps({"step": 3}))
+    import queue
+
+    words: queue.Queue = queue.Queue()
+    for rank, coord in enumerate(two_ranks):
+        up = Uploader(PersistParams(url=FsspecTier(str(root)), job="j", rank=rank, world_size=2, timeout_s=60), coord)
+        up.start(3, b'{"checksum": "00"}', bytearray(b"B" * 64), 64, lambda err, rank=rank: words.put((rank, err)))
+    told = dict(words.get(timeout=30) for _ in range(2))
+    assert "did not call load()" in told[0] and "did not call load()" in told[1], told
+    assert (step / "rank-00001.safetensors").read_bytes() == b"A" * 64

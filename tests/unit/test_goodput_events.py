@@ -179,3 +179,38 @@ def test_sigkill_loses_at_most_the_last_second(tmp_path: Path) -> None:
     assert killed_at - events[-1]["t"] < 0.5 + 0.3  # flush interval + scheduling slack
     report = build_report(tmp_path)  # a killed writer's file still makes a report
     assert report.attempts == 1 and report.checkpoints.saves == 1
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys
+from incluster.goodput.events import EventRecorder
+rec = EventRecorder(sys.argv[1], rank=0, flush_interval_s=3600)
+for i in range(100):
+    rec.record("train_step", step=i)
+"""
+
+
+def test_a_process_that_exits_without_close_still_writes_its_last_lines(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp_path)], check=True, timeout=60)
+    (path,) = tmp_path.glob("events-*.jsonl")
+    assert [e["step"] for e in lines(path)] == list(range(100))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_records_nothing_and_never_hangs_on_the_parents_lock(tmp_path: Path) -> None:
+    rec = EventRecorder(tmp_path, flush_interval_s=3600)
+    rec.record(ev.START, world_size=1)
+    with rec._lock:  # the writer thread holds it at the moment of the fork
+        pid = os.fork()
+        if pid == 0:  # the child: its own lock, nothing written to the parent's file
+            try:
+                rec.record(ev.SAVE, step=1, blocked_s=0.0)
+                rec.flush()
+                rec.close()
+                os._exit(0 if rec.dropped == 1 else 3)
+            finally:
+                os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    rec.close()
+    assert [e["kind"] for e in lines(rec.path)] == ["start"]

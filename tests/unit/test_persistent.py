@@ -332,6 +332,8 @@ def test_an_upload_close_gave_up_on_writes_no_manifest_when_it_ends_later(local_
         h.persisted.result(0)
     time.sleep(5.0)  # the slow upload has ended by now
     assert not os.path.isdir(os.path.join(root, "p")) or _manifests(root) == []
+    # and it wrote nothing after close() gave up on it (its shard was written before)
+    assert not os.path.exists(os.path.join(root, "p", "step-000000000000", "rank-00000.json"))
 
 
 def _flip_last_byte(path: str) -> None:
@@ -342,27 +344,41 @@ def _flip_last_byte(path: str) -> None:
         f.write(bytes([b[0] ^ 1]))
 
 
-def test_a_corrupt_newer_step_a_restore_went_back_past_is_removed_not_kept_by_retention(local_dir, tmp_path):
+def test_a_corrupt_newer_step_a_restore_went_back_past_is_not_counted_by_retention(local_dir, tmp_path, caplog):
     """The newest persistent step is corrupt: the restore goes back to the one before.
-    That newer step belongs to a timeline the run does not continue: retention used to
-    count it among the steps it keeps and delete the good ones (with persistent_keep=1,
-    every good copy), and a later restore could go back to that timeline."""
+    Retention used to count that newer step among the steps it keeps and delete the good
+    ones (with persistent_keep=1, every good copy). It is kept - the restore may go back
+    past a step for a passing reason - but never counted, and named once."""
     root = str(tmp_path / "persist")
     _run(local_dir, root, range(0, 13, 2), persistent_keep=2)
     assert _manifests(root) == ["step-000000000008", "step-000000000012"]
     _flip_last_byte(os.path.join(root, "p", "step-000000000012", "rank-00000.safetensors"))
     shutil.rmtree(os.path.join(local_dir, "p"))
-    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
-                                persistent_every=1, persistent_keep=2) as ck:
-        assert ck.load(_state(0.0)) == 8
-        h = ck.save(9, _state(9.0))
-        assert h.persisted.result(60) is True
-    assert _manifests(root) == ["step-000000000008", "step-000000000009"]
-    assert not os.path.exists(os.path.join(root, "p", "step-000000000012"))
+    with caplog.at_level("WARNING", logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                    persistent_every=1, persistent_keep=2) as ck:
+            assert ck.load(_state(0.0)) == 8
+            for step in (9, 10):
+                assert ck.save(step, _state(float(step))).persisted.result(60) is True
+    assert _manifests(root) == ["step-000000000009", "step-000000000010", "step-000000000012"]
+    assert sum("newer than this run's step 9" in r.getMessage() for r in caplog.records) == 1
     shutil.rmtree(os.path.join(local_dir, "p"))
     target = _state(0.0)
     with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
-        assert ck.load(target) == 9 and torch.equal(target["w"], torch.full((5000,), 9.0))
+        assert ck.load(target) == 10 and torch.equal(target["w"], torch.full((5000,), 10.0))
+
+
+def test_a_step_not_newer_than_the_restored_one_is_refused(local_dir, tmp_path):
+    """Restored from the persistent tier alone: save() of an older step is refused, not
+    saved beside the newer steps a restore would prefer."""
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(0, 5, 2))
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+        assert ck.load(_state(0.0)) == 4
+        with pytest.raises(incluster.CheckpointError, match="not newer than step 4, which load.. restored"):
+            ck.save(3, _state(3.0))
+        ck.save(5, _state(5.0)).wait(30)
 
 
 def test_an_old_manifest_of_a_step_number_saved_again_never_vouches_for_the_new_shards(local_dir, tmp_path, monkeypatch):

@@ -26,10 +26,12 @@ without ``train_step`` events. The data reach the kernel (``write``), not the di
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
@@ -117,6 +119,7 @@ class EventRecorder:
         self._file: Any = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._thread = threading.Thread(target=self._run, name="incluster-events", daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def record(self, kind: str, **fields: Any) -> None:
         """Record one event now. ``kind`` is one of ``KINDS``; fields should be JSON-able
@@ -130,6 +133,11 @@ class EventRecorder:
         event.update(fields)
         # default=str: an odd field value (a Path, a tensor's item) must not stop training
         self._pending.append(json.dumps(event, separators=(",", ":"), default=str) + "\n")
+        if self._file is None:  # close() wrote its last lines before this one arrived: counted
+            while self._pending:
+                self._pending.popleft()
+                self.dropped += 1
+            return
         if kind in _IMMEDIATE or len(self._pending) >= self._flush_every:
             self._wake.set()
 
@@ -188,6 +196,33 @@ class EventRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the writer thread is gone and the lock may be held by it;
+        the file is the parent's. The child records nothing (counted in ``dropped``)."""
+        self._lock = threading.Lock()
+        self._closed = True
+        self._pending.clear()
+        self._file = None
+
+
+_live: "weakref.WeakSet[EventRecorder]" = weakref.WeakSet()
+
+
+def _flush_all() -> None:
+    """At exit: a process that never called close() still writes its last lines."""
+    for rec in list(_live):
+        rec.flush()
+
+
+def _forked() -> None:
+    for rec in list(_live):
+        rec._after_fork()
+
+
+atexit.register(_flush_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 class NullRecorder:

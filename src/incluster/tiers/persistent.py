@@ -20,9 +20,11 @@ from incluster.errors import TierUnavailableError
 
 CHUNK = 16 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-# Object stores whose root's first component is a bucket: fsspec would create a missing
-# one on the first write, so a mistyped name would quietly take every checkpoint.
-_BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+# S3: the root's first component is a bucket, and s3fs's makedirs creates a missing one,
+# so a mistyped name would quietly take every checkpoint. (gcsfs answers a bucket lookup
+# it may not make, IAM without storage.buckets.get, by listing: an empty bucket would look
+# missing. Other stores keep fsspec's behaviour.)
+_BUCKETED = ("s3", "s3a")
 
 
 _PAGE = 4096
@@ -122,8 +124,9 @@ class FsspecTier:
         full = self._p(path)
         if self.posix:
             _private_dirs(posixpath.dirname(full))
+        elif self.bucket is not None:
+            self._check_bucket()  # and no makedirs: S3 has no folders, and s3fs's would create the bucket
         else:
-            self._check_bucket()
             with _BackendErrors(self, f"creating the folder of {path}"):
                 self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
         view = memoryview(data).cast("B")
