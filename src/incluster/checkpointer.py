@@ -109,8 +109,15 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         if self.rank == 0:
             ramdisk.hint_once(self.config.local_dir)
-            self._job_derived = not options.get("job") and not os.environ.get("INCLUSTER_JOB")
-            if self._job_derived:
+            rid = os.environ.get("TORCHELASTIC_RUN_ID")
+            self._job_derived = (not options.get("job") and not os.environ.get("INCLUSTER_JOB")
+                                 and (not rid or rid == "none"))
+            if self._job_derived and rid == "none" and self.world_size > 1:
+                log.warning("incluster: torchrun was started without --rdzv-id (its run id is 'none'), so job %r is "
+                            "named from MASTER_PORT, which torchrun picks anew at every launch: a relaunch will not "
+                            "find these checkpoints. Pass --rdzv-id NAME to torchrun (the same at every launch), or "
+                            "job= / INCLUSTER_JOB", self.config.job)
+            elif self._job_derived:
                 log.info("incluster: job %r (derived from the launch; pass job= or set INCLUSTER_JOB to "
                          "name it, e.g. to resume it from another launch)", self.config.job)
         if self.world_size == 1 and isinstance(options.get("replicas"), int) and options["replicas"] > 0:

@@ -67,3 +67,9 @@ def test_an_empty_restore_under_a_derived_job_name_says_how_to_resume(local_dir,
         with incluster.Checkpointer(local_dir=local_dir, writer="thread", job="named") as ck:
             assert ck.load(state) is None
     assert not any("pass job=" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")  # torchrun --rdzv-id run-7: named, not derived
+    with caplog.at_level("INFO", logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, writer="thread") as ck:
+            assert ck.config.job == "run-7" and ck.load(state) is None
+    assert not any("derived" in r.getMessage() or "pass job=" in r.getMessage() for r in caplog.records)

@@ -4,7 +4,9 @@ An ordinary training script using only incluster's public API. Run it on a real 
 exactly as any torchrun job, one command per node:
 
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        examples/train_tiny_gpt.py --steps 1000 --save-every 10 --persistent s3://bucket/run
+        --rdzv-id run-7 examples/train_tiny_gpt.py --steps 1000 --save-every 10 --persistent s3://bucket/run
+
+``--rdzv-id`` names the job, the same at every launch: a relaunch resumes it.
 
 Each node keeps checkpoints in its RAM disk (INCLUSTER_LOCAL_DIR, default
 /dev/shm/incluster) with a replica on the next node; every Nth also goes to --persistent.
