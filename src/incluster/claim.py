@@ -57,7 +57,13 @@ class Claim:
         with _held_lock:
             if self.path in _held:
                 raise CheckpointError(where + "another Checkpointer of this process: close() it first")
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            except OSError as exc:  # the folder exists, but this process may not write it
+                raise CheckpointError(
+                    f"cannot write this job's folder {job_folder} ({exc.strerror or exc}); point local_dir (or "
+                    f"INCLUSTER_LOCAL_DIR) at a folder this process can write, in the node's RAM disk (e.g. "
+                    f"/dev/shm/incluster), or give this run its own job=") from exc
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

@@ -122,6 +122,25 @@ def check_names(options: Mapping[str, Any], where: str) -> None:
             raise TypeError(f"{where} got an unknown option {name!r}{hint}")
 
 
+ENV_NAMES = ("INCLUSTER_LOCAL_DIR", "INCLUSTER_JOB", "INCLUSTER_NODE", "INCLUSTER_RUN_DIR", "INCLUSTER_PERSISTENT",
+             "INCLUSTER_FAULTS", "INCLUSTER_CAMPAIGN_KEEP", "INCLUSTER_TEST_FRESH_RANKS")
+_env_warned: set[str] = set()
+
+
+def check_env() -> None:
+    """Warn once about an INCLUSTER_* variable incluster does not read (a typo would
+    silently fall back to the default, e.g. checkpoints in /dev/shm/incluster)."""
+    import logging
+
+    for name in os.environ:
+        if name.startswith("INCLUSTER_") and name not in ENV_NAMES and name not in _env_warned:
+            _env_warned.add(name)
+            close = difflib.get_close_matches(name, ENV_NAMES, n=1)
+            logging.getLogger("incluster").warning(
+                "incluster: the environment variable %s is not one incluster reads%s (it reads %s)", name,
+                f"; did you mean {close[0]}?" if close else "", ", ".join(ENV_NAMES[:5]))
+
+
 def _path(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (str or os.PathLike), not {type(value).__name__} {value!r}")
@@ -158,6 +177,7 @@ def resolve(
 ) -> Config:
     """Fill unset options from the environment, then validate."""
     env = os.environ
+    check_env()
     _path("local_dir", local_dir)
     _path("run_dir", run_dir)
     rd = run_dir if run_dir is not None else env.get("INCLUSTER_RUN_DIR")

@@ -81,3 +81,22 @@ def test_a_checkpointer_that_failed_to_start_leaves_its_claim_free(local_dir, wr
         incluster.Checkpointer(local_dir=local_dir, job="same", writer=writer, run_dir="/proc/nope/x")
     with incluster.Checkpointer(local_dir=local_dir, job="same", writer=writer) as ck:
         ck.save(1, {"w": torch.ones(4)}).wait()
+
+
+def test_a_job_folder_this_process_cannot_write_is_named_with_the_fix(local_dir, monkeypatch):
+    """It exists (another user made it, or a read-only mount): not a raw OSError. (The
+    refusal is injected: this suite may run as root, whom no mode bit refuses.)"""
+    import errno
+
+    from incluster import claim
+
+    real = claim.os.open
+
+    def refuse(path, *a, **k):
+        if os.path.basename(path).startswith(".claim-"):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(claim.os, "open", refuse)
+    with pytest.raises(incluster.CheckpointError, match="cannot write this job's folder.*Permission denied.*point local_dir"):
+        incluster.Checkpointer(local_dir=local_dir, job="ro", writer="thread")

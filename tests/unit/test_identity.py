@@ -73,3 +73,15 @@ def test_an_empty_restore_under_a_derived_job_name_says_how_to_resume(local_dir,
         with incluster.Checkpointer(local_dir=local_dir, writer="thread") as ck:
             assert ck.config.job == "run-7" and ck.load(state) is None
     assert not any("derived" in r.getMessage() or "pass job=" in r.getMessage() for r in caplog.records)
+
+
+def test_a_mistyped_environment_variable_is_named_with_the_one_meant(monkeypatch, caplog, local_dir):
+    from incluster import config
+
+    monkeypatch.setenv("INCLUSTER_LOCALDIR", "/somewhere")
+    monkeypatch.setattr(config, "_env_warned", set())
+    with caplog.at_level("WARNING", logger="incluster"):
+        config.resolve(local_dir=local_dir, job="j")
+        config.resolve(local_dir=local_dir, job="j")
+    said = [r.getMessage() for r in caplog.records if "INCLUSTER_LOCALDIR" in r.getMessage()]
+    assert len(said) == 1 and "did you mean INCLUSTER_LOCAL_DIR?" in said[0]
