@@ -62,13 +62,14 @@ def planner_case(world: int, rpn: int, runs: int, swaps: int = 4, check_placemen
     round_s = None
     try:
         from incluster.recovery import restore as _restore
+        from incluster.recovery.plan_round import plan_round
 
         ctx = _restore.Context(local_dir="/nonexistent", job=JOB, rank=0, world_size=world, node=after[0],
                                ring=None, allow_pickle=False, timeout_s=1.0)  # type: ignore[arg-type]
         rts = []
         for _ in range(max(1, runs // 2)):
             t0 = time.perf_counter()
-            mine = _restore._plan_round(ctx, objs, set())
+            mine = plan_round(ctx, objs, set())
             rts.append(time.perf_counter() - t0)
         assert isinstance(mine, RankPlan) and mine.step == steps[-1]
         round_s = statistics.median(rts)

@@ -12,7 +12,7 @@ Measured (median of ``--runs``):
                          holdings as ``(owner, step, size, world)`` per node (target < 1 s);
                          also at 1/8 and 1/4 of the size, to show how it scales
   plan round             rank 0's whole planning round from the gathered inventories
-                         (``restore._plan_round``: holdings built from the JSON records,
+                         (``plan_round.plan_round``: holdings built from the JSON records,
                          the plan, the per-rank records and the ``server_of + node_of`` list)
   per-rank pieces        what each rank computes locally once it has ``Maps``:
                          ``receiver_pieces(rank, old, my_boxes, maps)`` and, for every old
@@ -115,6 +115,7 @@ def plan_round_s(case: dict[str, Any], runs: int) -> float | None:
     """Rank 0's whole planning round (library code) from the JSON-round-tripped records."""
     try:
         from incluster.recovery import restore as R
+        from incluster.recovery.plan_round import plan_round
 
         topo = case["_topo"]
         ctx = R.Context(local_dir="/nonexistent", job="bench", rank=0, world_size=topo.world_size,
@@ -122,7 +123,7 @@ def plan_round_s(case: dict[str, Any], runs: int) -> float | None:
 
         def once() -> Any:
             shared: dict[str, Any] = {}
-            mine = R._plan_round(ctx, case["_gathered"], set(), [], shared)
+            mine = plan_round(ctx, case["_gathered"], set(), [], shared)
             assert len(shared["maps"]) == case["old_world"] + topo.world_size, mine
             return mine
 
