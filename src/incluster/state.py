@@ -120,6 +120,9 @@ def snapshot(
         if guarded is not None and bare:
             safe = guarded(optimizers)
             budget = guard.CLONE_LIMIT if clone_limit is None else clone_limit
+            ptrs = list(map(torch.Tensor.data_ptr, bare))  # one C loop; most are guarded
+            if safe.issuperset(ptrs):
+                bare = []
             for t in bare:
                 ptr = t.data_ptr()
                 if ptr == 0 or ptr in safe or ptr in clones:
@@ -130,6 +133,9 @@ def snapshot(
                 else:
                     left.append(t)
     return _Root(tree, clones), optimizers, left
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _capture(
@@ -146,7 +152,16 @@ def _capture(
     if isinstance(obj, (str, int, float, type(None))):
         return obj
     if isinstance(obj, Mapping):
-        return {k: _capture(v, optimizers, allow_pickle, bare) for k, v in obj.items()}
+        out = {}
+        for k, v in obj.items():
+            # the common leaf inline (a flat state dict of thousands of tensors: no call each)
+            if type(v) in _PLAIN and v.layout is torch.strided and not v.is_meta:
+                if bare is not None and v.numel():
+                    bare.append(v)
+                out[k] = v
+            else:
+                out[k] = _capture(v, optimizers, allow_pickle, bare)
+        return out
     if isinstance(obj, list):
         return [_capture(v, optimizers, allow_pickle, bare) for v in obj]
     if isinstance(obj, tuple):
