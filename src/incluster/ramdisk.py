@@ -77,11 +77,31 @@ def huge_page_hint(path: str, mounts: str | None = None) -> str | None:
     )
 
 
+_RAM = ("tmpfs", "ramfs")
+
+
+def not_ram_hint(path: str, mounts: str | None = None) -> str | None:
+    """A one-line warning when ``path`` is on a disk, not in RAM; None otherwise (or unknown)."""
+    m = mount_of(path, mounts)
+    if m is None or m.fstype in _RAM:
+        return None
+    return (
+        f"local_dir {path} is on a {m.fstype} file system ({m.point}), not in the node's RAM: saves and "
+        f"restores go at that disk's speed, and its pages compete with the page cache. Tier 0 is meant for a "
+        f"RAM disk: local_dir='/dev/shm/incluster' (the default) or a tmpfs of your own"
+    )
+
+
 def hint_once(path: str) -> None:
-    """Log :func:`huge_page_hint` at INFO, once per process and path."""
+    """Log :func:`huge_page_hint` at INFO (or :func:`not_ram_hint` at WARNING), once per
+    process and path."""
     if path in _hinted:
         return
     _hinted.add(path)
+    disk = not_ram_hint(path)
+    if disk is not None:
+        log.warning("incluster: %s", disk)
+        return
     hint = huge_page_hint(path)
     if hint is not None:
         log.info("incluster: %s", hint)

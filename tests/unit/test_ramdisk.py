@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from incluster.ramdisk import huge_page_hint, mount_of
+from incluster.ramdisk import huge_page_hint, mount_of, not_ram_hint
 
 MOUNTS = """\
 proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
@@ -39,6 +39,13 @@ def test_a_hint_only_for_a_tmpfs_without_huge_pages(path, hinted):
     assert (hint is not None) == hinted
     if hinted:
         assert "huge=within_size" in hint and "local_dir" in hint  # it names the fix
+
+
+def test_a_local_dir_on_a_disk_is_named_not_a_ram_disk():
+    warned = not_ram_hint("/home/u/ckpt", MOUNTS)
+    assert warned is not None and "overlay" in warned and "not in the node's RAM" in warned
+    assert "/dev/shm/incluster" in warned  # it names the fix
+    assert not_ram_hint("/dev/shm/x", MOUNTS) is None and not_ram_hint("/mnt/huge/x", MOUNTS) is None
 
 
 def test_real_private_tmpfs_mounts_with_and_without_huge_pages(tmp_path):
