@@ -139,13 +139,20 @@ class CommitService:
             # take part, so partners re-sending theirs do not wait for us.
             self.replicator.exchange(step, None, _NoCount())  # type: ignore[arg-type]
             return
+        path = None
         try:
             sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
             # a shared copy's bytes are a data-parallel peer's file on this node
-            fd = os.open(data_path(folder, sc), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            path = data_path(folder, sc)
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
         except (OSError, CheckpointError) as exc:  # gone meanwhile: take part, send nothing
-            log.warning("incluster: rank %d cannot re-send step %d (%s); its partners keep what they hold",
-                        self.params.rank, step, exc)
+            shared = path is not None and os.path.dirname(os.path.abspath(path)) != os.path.abspath(folder)
+            # A shared copy whose owner's bytes are not on this node yet (its replica is being
+            # re-sent at this moment, after the same restore): nothing is wrong, nothing to send.
+            (log.info if shared else log.warning)(
+                "incluster: rank %d cannot re-send step %d (%s)%s; its partners keep what they hold",
+                self.params.rank, step, exc, " - a shared copy whose owner's file has not reached this node yet"
+                if shared else "")
             self.replicator.exchange(step, None, _NoCount())  # type: ignore[arg-type]
             return
         try:
