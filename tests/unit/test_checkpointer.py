@@ -365,9 +365,13 @@ def test_a_script_that_ends_without_close_keeps_its_last_save(local_dir, tmp_pat
     import subprocess
     import sys
 
+    from incluster.testing import FaultInjector
+
     ref = str(tmp_path / "ref.pt")
+    # the commit takes 2 s, so the save is surely still in flight when the script ends
+    slow = FaultInjector().fail_at(phase="commit", step=7, action="slow", seconds=2.0).env()
     out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, local_dir, writer, ref],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env={**os.environ, **slow})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "exits without Checkpointer.close()" in out.stderr  # and says so
     m = torch.nn.Linear(1024, 1024)
