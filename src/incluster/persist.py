@@ -230,12 +230,10 @@ class Uploader:
             self._publish_failure(step, "skipped, previous upload still running")
             return False
 
+        began = time.monotonic()
         with self._fate:
             self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
-            self.trouble, self._completing = None, False
-            self._began = time.monotonic()
-
-        began = self._began
+            self.trouble, self._completing, self._began = None, False, began
 
         def run() -> None:
             err = None

@@ -45,7 +45,7 @@ class CommitRequest:
     # trainer's device-side snapshot into the slot before the commit (the writer hashes them)
     drain: tuple[int, int, tuple[tuple[int, int], ...]] | None = None
     # load() ran in this Checkpointer before the save: the run chose where its timeline
-    # goes on, so persistent steps newer than its first upload are an abandoned timeline
+    # goes on (persist.Uploader._open_step refuses an upload over newer steps without it)
     loaded: bool = False
 
 
