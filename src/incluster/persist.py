@@ -145,6 +145,10 @@ class Uploader:
         self._newer_told = False  # rank 0: the steps of a timeline not continued were named
         self._completing = False  # this rank's count completed the upload in flight: it writes the manifest
         self.loaded = False  # the save being uploaded came after a load() (CommitRequest.loaded)
+        # With interval_s, steps whose due-or-not decision is awaited: each is reported
+        # exactly once, by its decision or by cancel(); after cancel() nothing starts.
+        self._deciding: dict[int, Callable[[str | None], None]] = {}
+        self._closed = False
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
@@ -162,11 +166,26 @@ class Uploader:
         if self.p.interval_s is None:
             return self._start(step, sidecar, buf, size, done)
 
+        with self._fate:
+            if self._closed:
+                return False
+            self._deciding[step] = done
+
         def decide_then_start() -> None:
-            if not self._decide(step):
-                done(NOT_DUE)
-            elif not self._start(step, sidecar, buf, size, done):
-                done("skipped: the previous upload was still running")
+            try:
+                due = self._decide(step)
+            except Exception as exc:  # noqa: BLE001 - the store is gone: not due, said once
+                due, why = False, f"skipped: no decision from rank 0 ({type(exc).__name__}: {exc})"
+                self._publish_failure(step, why[:300])  # if rank 0 did decide it due, no rank waits for us
+            else:
+                why = NOT_DUE
+            if due:
+                self._start(step, sidecar, buf, size, done, deciding=True)
+                return
+            with self._fate:
+                mine = self._deciding.pop(step, None) is not None  # else cancel() reported it
+            if mine:
+                done(why)
 
         threading.Thread(target=decide_then_start, name=f"incluster-persist-due-{step}", daemon=True).start()
         return True
@@ -201,8 +220,15 @@ class Uploader:
         except Exception:  # noqa: BLE001 - the store is gone: they time out
             pass
 
-    def _start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None]) -> bool:
+    def _start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None],
+               deciding: bool = False) -> bool:
+        """Start the upload; False if the previous one still runs (reported here if the
+        step was ``deciding``, else by the caller). Nothing starts after cancel()."""
         if not self._busy.acquire(blocking=False):
+            with self._fate:
+                mine = not deciding or self._deciding.pop(step, None) is not None
+            if not mine:  # cancel() reported it
+                return True
             self.skipped += 1
             with self._fate:
                 trouble, running, ran = self.trouble, self.uploading, time.monotonic() - self._began
@@ -228,12 +254,22 @@ class Uploader:
                 log.info("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
                          "running, for %.1f s (%d skipped so far)", self.p.rank, step, running, ran, self.skipped)
             self._publish_failure(step, "skipped, previous upload still running")
+            if deciding:
+                done("skipped: the previous upload was still running")
             return False
 
         began = time.monotonic()
         with self._fate:
-            self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
-            self.trouble, self._completing, self._began = None, False, began
+            mine = not deciding or self._deciding.pop(step, None) is not None
+            go = mine and not self._closed
+            if go:
+                self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
+                self.trouble, self._completing, self._began = None, False, began
+        if not go:  # cancel() came first: the slot may be unmapped already
+            self._busy.release()
+            if mine:
+                done(CANCELLED)
+            return True
 
         def run() -> None:
             err = None
@@ -356,17 +392,27 @@ class Uploader:
                 self.tier.delete(f"{self.p.job}/{name}")
 
     def cancel(self) -> str | None:
-        """Give up on the upload that still runs (at shut-down) and report it as not
-        persisted; returns what was reported, or None if no upload runs. If this rank's
+        """Shut-down: nothing starts after this. Give up on the upload that still runs,
+        and on steps still awaiting their time-based decision, and report them as not
+        persisted; returns what was reported, or None if nothing was pending. If this rank's
         shard was not yet counted, the upload writes no manifest when it ends, and every
         rank learns at once that the step fails; once counted, the other ranks may still
         complete the manifest, and the report says so."""
         with self._fate:
+            self._closed = True
+            undecided, self._deciding = self._deciding, {}
             step, done = self.uploading, self._done
-            if step is None or self._cancelled:
-                return None
+            running = step is not None and not self._cancelled
             self._cancelled = True
             counted = self._counted and not self._completing  # the manifest writer's count is no promise
+        undecided_why = None
+        for later, told in sorted(undecided.items()):
+            self._publish_failure(later, CANCELLED)
+            undecided_why = (f"close() came before rank 0's clock said whether step {later} was due "
+                             f"(persistent_interval_s): it is not in the persistent tier")
+            told(undecided_why)
+        if not running or step is None:
+            return undecided_why
         if counted:
             why = (f"the upload had not finished when close() ended it, after this rank's shard was uploaded and "
                    f"counted: the other ranks may still complete step {step}'s manifest (`incluster ls` shows "
@@ -380,8 +426,16 @@ class Uploader:
         return why
 
     def wait_idle(self, timeout: float) -> bool:
-        """Whether no upload runs (waits up to ``timeout`` for the one that does)."""
-        if self._busy.acquire(timeout=timeout):
-            self._busy.release()
-            return True
-        return False
+        """Whether no upload runs and none is being decided (waits up to ``timeout``).
+        Holding ``_busy`` with nothing deciding, nothing can start."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._busy.acquire(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+                with self._fate:
+                    idle = not self._deciding
+                self._busy.release()
+                if idle:
+                    return True
+                time.sleep(0.02)
+            if time.monotonic() >= deadline:
+                return False

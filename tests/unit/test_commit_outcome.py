@@ -113,3 +113,31 @@ def test_no_rank_writes_a_step_before_rank_0_found_it_free(two_ranks, tmp_path):
     told = dict(words.get(timeout=30) for _ in range(2))
     assert "did not call load()" in told[0] and "did not call load()" in told[1], told
     assert (step / "rank-00001.safetensors").read_bytes() == b"A" * 64
+
+
+def test_a_time_based_upload_still_being_decided_at_close_never_starts(two_ranks, tmp_path):
+    """With persistent_interval_s, rank 1 waits for rank 0's clock to say whether step 3
+    is due. close() comes first: the step is reported as not persisted, at once, and
+    when the decision arrives later (due) nothing is written from the slot that close()
+    has unmapped, and rank 0 learns that step 3 gets no manifest."""
+    import queue
+    import time
+
+    from incluster.persist import PersistParams, Uploader
+    from incluster.tiers.persistent import FsspecTier
+
+    root = tmp_path / "persist"
+    words: queue.Queue = queue.Queue()
+    up = Uploader(PersistParams(url=FsspecTier(str(root)), job="j", rank=1, world_size=2, interval_s=1.0,
+                                timeout_s=60), two_ranks[1])
+    assert up.start(3, b'{"checksum": "00"}', bytearray(b"B" * 64), 64, words.put)
+    assert not up.wait_idle(0.3)  # the decision is pending: close() may not unmap yet
+    why = up.cancel()
+    assert why is not None and "close()" in why
+    assert "close()" in words.get(timeout=1)
+    two_ranks[0].persist_outcome(-4, "1", 0)  # rank 0's clock: due
+    time.sleep(1.0)
+    assert words.empty()  # told once
+    assert not (root / "j").exists() or not any((root / "j").rglob("rank-00001*"))
+    assert two_ranks[0].persist_outcome(3, None, 5).startswith("fail:1:")
+    assert up.wait_idle(0)

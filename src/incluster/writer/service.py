@@ -223,9 +223,10 @@ class CommitService:
         os.close(cached[2])
 
     def close(self, timeout: float = 600.0) -> None:
-        if self.uploader is not None and not self.uploader.wait_idle(timeout):
+        idle = self.uploader is None or self.uploader.wait_idle(timeout)
+        why = self.uploader.cancel() if self.uploader is not None else None  # nothing starts after this
+        if not idle:
             # The upload still reads its slot's mapping: leave every mapping to the exit.
-            why = self.uploader.cancel()
             if why is not None:
                 print(f"incluster writer: rank {self.params.rank}: the persistent upload did not finish within "
                       f"{timeout:.0f} s of shut-down: {why}", file=sys.stderr)
