@@ -450,3 +450,24 @@ def test_replicas_in_a_one_process_job_warns_without_advising_a_tier_it_has(loca
     said = [r.getMessage() for r in caplog.records if "replicas=1 asked for" in r.getMessage()]
     assert len(said) == 2 and "add persistent=" in said[0], said
     assert "add persistent=" not in said[1] and "RAM and the persistent tier" in said[1], said
+
+
+def test_saving_parameters_leaves_no_autograd_graph_that_keeps_them_alive(local_dir):
+    """Parameters saved by reference (a plain dict of an optimizer's parameters, large
+    enough to be copied by torch) must not tie the RAM-disk slot into their autograd
+    graph: the graph would grow with every save and keep the parameters alive after
+    the model is gone."""
+    import gc
+    import weakref
+
+    with incluster.Checkpointer(local_dir=local_dir, job="g", writer="thread") as ck:
+        w = torch.nn.Parameter(torch.randn(2100, 2100))  # 17 MiB: past the plain-memcpy size
+        opt = torch.optim.SGD([w], lr=0.1)
+        for step in range(3):
+            w.grad = torch.ones_like(w)
+            opt.step()
+            ck.save(step, {"w": w, "opt": opt}).wait()
+        gone = weakref.ref(w)
+        del w, opt
+        gc.collect()
+        assert gone() is None

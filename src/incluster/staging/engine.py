@@ -98,6 +98,7 @@ class Stager:
     def device_active(self) -> bool:
         return bool(self._device is not None and self._device.active)
 
+    @torch.no_grad()  # a Parameter copied into the slot must not tie it into the autograd graph
     def run(self, job: StageJob) -> None:
         plan: Any = None
         after: list[tuple[int, torch.Tensor]] = []
@@ -198,6 +199,7 @@ class Stager:
                     views[i].copy_(tensors[i])
         return [(i, tensors[i].detach().clone()) for i, k in enumerate(kinds) if k == "s"]
 
+    @torch.no_grad()
     def prepare_for(self, tensors: list[torch.Tensor], layout: Layout) -> None:
         """``Checkpointer.prepare``: page-lock from now on if the state is on a GPU, and
         take the device-side snapshot buffer now rather than at the first save."""
