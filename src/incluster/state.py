@@ -136,6 +136,31 @@ def snapshot(
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SAVE_TO = torch.nn.Module._save_to_state_dict
+
+
+def _walk_module(module: torch.nn.Module) -> tuple[bool, list[torch.Tensor]]:
+    """One pass over the module tree: its buffers, and whether ``state_dict(keep_vars=True)``
+    may stand in for ``state_dict()``: the same tensors without a ``detach()`` each (about
+    2 us for a tensor, 30 us for a DTensor, on the caller's thread; staging copies without
+    autograd). Only for torch's own ``state_dict`` with no state-dict post-hook and no
+    ``_save_to_state_dict`` of a module's own in the tree: those see the tensors and may
+    treat parameters unlike detached ones. Pre-hooks run before any tensor is collected
+    (FSDP2 registers one that puts the sharded parameters back), so they may stay."""
+    keep = type(module).state_dict is torch.nn.Module.state_dict
+    bufs: list[torch.Tensor] = []
+    todo, seen = [module], {id(module)}
+    while todo:
+        m = todo.pop()
+        if keep and (m._state_dict_hooks or type(m)._save_to_state_dict is not _SAVE_TO):
+            keep = False
+        if m._buffers:
+            bufs.extend(b for b in m._buffers.values() if b is not None)
+        for c in m._modules.values():
+            if c is not None and id(c) not in seen:  # shared submodules once
+                seen.add(id(c))
+                todo.append(c)
+    return keep, bufs
 
 
 def _capture(
@@ -167,10 +192,13 @@ def _capture(
     if isinstance(obj, tuple):
         return tuple(_capture(v, optimizers, allow_pickle, bare) for v in obj)
     if isinstance(obj, torch.nn.Module):
-        sd = obj.state_dict()
-        saved = {v.data_ptr() for v in sd.values() if isinstance(v, torch.Tensor)}
-        # Only buffers the state dict holds: non-persistent ones are not saved, so not copied.
-        buffers = {b.data_ptr(): b.clone() for b in obj.buffers() if b.numel() > 0 and b.data_ptr() in saved}
+        keep, bufs = _walk_module(obj)
+        sd = obj.state_dict(keep_vars=True) if keep else obj.state_dict()
+        buffers: dict[int, torch.Tensor] = {}
+        if bufs:
+            saved = {v.data_ptr() for v in sd.values() if isinstance(v, torch.Tensor)}
+            # Only buffers the state dict holds: non-persistent ones are not saved, so not copied.
+            buffers = {b.data_ptr(): b.clone() for b in bufs if b.numel() > 0 and b.data_ptr() in saved}
         return _Captured("module", sd, buffers)
     if isinstance(obj, torch.optim.Optimizer):
         optimizers.append(obj)

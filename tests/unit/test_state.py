@@ -235,3 +235,32 @@ def test_a_saved_stateful_object_loaded_into_a_plain_value_names_both(local_dir)
         with pytest.raises(CheckpointError, match=r"loader: the checkpoint holds the state of an object with "
                                                   r"state_dict\(\).*the live state has a builtins.list"):
             ck.load({"loader": [1, 2], "w": torch.zeros(2)})
+
+
+def test_what_a_module_saves_is_what_its_own_state_dict_and_hooks_say():
+    """save() takes a module's tensors without a detach() each where nothing could tell the
+    difference; a state_dict of the module's own (without keep_vars), a post-hook or a
+    _save_to_state_dict override still decides what is saved."""
+
+    class Old(torch.nn.Module):  # an override without keep_vars
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(4.0))
+
+        def state_dict(self):  # type: ignore[override]
+            return {"w_times_two": self.w.detach() * 2}
+
+    class Quantish(torch.nn.Linear):  # saves a transformed weight
+        def _save_to_state_dict(self, destination, prefix, keep_vars):
+            destination[prefix + "weight"] = (self.weight.detach() * 4).round()
+
+    hooked = torch.nn.Linear(2, 2)
+    hooked.register_state_dict_post_hook(lambda mod, sd, prefix, meta: sd.__setitem__(prefix + "extra", torch.ones(3)))
+    q = torch.nn.Sequential(Quantish(2, 2, bias=False), torch.nn.ReLU())
+    flat = flatten({"old": Old(), "hooked": hooked, "q": q, "plain": torch.nn.Linear(2, 2)})
+    got = {s.name: t for s, t in zip(flat.specs, flat.tensors)}
+    assert torch.equal(got["old/w_times_two"], torch.arange(4.0) * 2)
+    assert torch.equal(got["hooked/extra"], torch.ones(3))
+    assert torch.equal(got["q/0.weight"], (q[0].weight.detach() * 4).round())
+    assert set(got) == {"old/w_times_two", "hooked/weight", "hooked/bias", "hooked/extra", "q/0.weight",
+                        "plain/weight", "plain/bias"}
