@@ -149,6 +149,10 @@ class Uploader:
         # exactly once, by its decision or by cancel(); after cancel() nothing starts.
         self._deciding: dict[int, Callable[[str | None], None]] = {}
         self._closed = False
+        # Steps being decided or uploaded whose report has not returned yet: close() waits
+        # for none (a report sent after close() would be lost, an upload reads its slot).
+        self._active = 0
+        self._idle = threading.Condition(self._fate)
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
@@ -170,12 +174,14 @@ class Uploader:
             if self._closed:
                 return False
             self._deciding[step] = done
+            self._active += 1
 
         def decide_then_start() -> None:
             try:
                 due = self._decide(step)
             except Exception as exc:  # noqa: BLE001 - the store is gone: not due, said once
                 due, why = False, f"skipped: no decision from rank 0 ({type(exc).__name__}: {exc})"
+                self._undecided(step)
                 self._publish_failure(step, why[:300])  # if rank 0 did decide it due, no rank waits for us
             else:
                 why = NOT_DUE
@@ -185,21 +191,43 @@ class Uploader:
             with self._fate:
                 mine = self._deciding.pop(step, None) is not None  # else cancel() reported it
             if mine:
-                done(why)
+                self._report(done, why)
 
         threading.Thread(target=decide_then_start, name=f"incluster-persist-due-{step}", daemon=True).start()
         return True
 
+    def _report(self, done: Callable[[str | None], None], why: str | None) -> None:
+        """Tell a step's outcome, then count it as no longer active."""
+        try:
+            done(why)
+        finally:
+            with self._fate:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle.notify_all()
+
     def _decide(self, step: int) -> bool:
         """Time-based: rank 0's clock decides, every other rank reads its decision (bounded)."""
         if self.p.rank != 0:
-            return self.decisions.persist_outcome(-step - 1, None, self.p.timeout_s) == "1"
+            said = self.decisions.persist_outcome(-step - 1, None, self.p.timeout_s)
+            if said not in ("0", "1"):  # the store timed out or failed: no decision, not "not due"
+                raise CheckpointError(f"rank 0's decision did not come: {said}")
+            return said == "1"
         with self._decide_lock:
             now = time.monotonic()
             due = self._last_t is None or now - self._last_t >= (self.p.interval_s or 0.0)
             if due:
                 self._last_t = now
             return self.decisions.persist_outcome(-step - 1, "1" if due else "0", 0) == "1"
+
+    def _undecided(self, step: int) -> None:
+        """Rank 0 gives up deciding ``step``: "not due", so no rank waits for its decision
+        (first value wins: harmless where "due" was already told)."""
+        if self.p.rank == 0:
+            try:
+                self.decisions.persist_outcome(-step - 1, "0", 0)
+            except Exception:  # noqa: BLE001 - the store is gone: the others time out
+                pass
 
     def failed_step(self, step: int) -> None:
         """``step`` failed here: with ``interval_s``, rank 0 marks it not due, so no rank
@@ -255,7 +283,7 @@ class Uploader:
                          "running, for %.1f s (%d skipped so far)", self.p.rank, step, running, ran, self.skipped)
             self._publish_failure(step, "skipped, previous upload still running")
             if deciding:
-                done("skipped: the previous upload was still running")
+                self._report(done, "skipped: the previous upload was still running")
             return False
 
         began = time.monotonic()
@@ -265,9 +293,13 @@ class Uploader:
             if go:
                 self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
                 self.trouble, self._completing, self._began = None, False, began
+                if not deciding:  # a decided step is counted already
+                    self._active += 1
         if not go:  # cancel() came first: the slot may be unmapped already
             self._busy.release()
-            if mine:
+            if mine and deciding:
+                self._report(done, CANCELLED)
+            elif mine:
                 done(CANCELLED)
             return True
 
@@ -284,9 +316,10 @@ class Uploader:
                     self.uploading = None
                     cancelled = self._cancelled
                 self._busy.release()
-            if cancelled:  # cancel() reported it already
+            if cancelled:  # cancel() reported it already; the slot is no longer read
                 log.info("incluster: rank %d: the upload of step %d that close() gave up on ended (%s)",
                          self.p.rank, step, err or "uploaded; no manifest")
+                self._report(lambda _: None, None)
                 return
             if err is None:
                 self._last_took = time.monotonic() - began
@@ -294,7 +327,7 @@ class Uploader:
                 self.failed += 1
                 err += fix_for(err)
                 log.warning("incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
-            done(err)
+            self._report(done, err)
 
         threading.Thread(target=run, name=f"incluster-upload-{step}", daemon=True).start()
         return True
@@ -407,10 +440,11 @@ class Uploader:
             counted = self._counted and not self._completing  # the manifest writer's count is no promise
         undecided_why = None
         for later, told in sorted(undecided.items()):
+            self._undecided(later)
             self._publish_failure(later, CANCELLED)
             undecided_why = (f"close() came before rank 0's clock said whether step {later} was due "
                              f"(persistent_interval_s): it is not in the persistent tier")
-            told(undecided_why)
+            self._report(told, undecided_why)
         if not running or step is None:
             return undecided_why
         if counted:
@@ -426,16 +460,8 @@ class Uploader:
         return why
 
     def wait_idle(self, timeout: float) -> bool:
-        """Whether no upload runs and none is being decided (waits up to ``timeout``).
-        Holding ``_busy`` with nothing deciding, nothing can start."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._busy.acquire(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
-                with self._fate:
-                    idle = not self._deciding
-                self._busy.release()
-                if idle:
-                    return True
-                time.sleep(0.02)
-            if time.monotonic() >= deadline:
-                return False
+        """Whether no step is being decided or uploaded and every outcome was told (waits
+        up to ``timeout``). Never takes the upload lock: a decision arriving meanwhile
+        starts its upload."""
+        with self._fate:
+            return self._idle.wait_for(lambda: self._active == 0, timeout)

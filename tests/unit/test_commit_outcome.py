@@ -141,3 +141,28 @@ def test_a_time_based_upload_still_being_decided_at_close_never_starts(two_ranks
     assert not (root / "j").exists() or not any((root / "j").rglob("rank-00001*"))
     assert two_ranks[0].persist_outcome(3, None, 5).startswith("fail:1:")
     assert up.wait_idle(0)
+
+
+def test_close_waits_until_a_decided_steps_outcome_was_told(two_ranks, tmp_path):
+    """A step rank 0 decides not due is told so while close() waits: close() may not
+    return first (the trainer would report that step as cut off by close(), and the
+    late report would be lost)."""
+    import threading
+    import time
+
+    from incluster.persist import NOT_DUE, PersistParams, Uploader
+    from incluster.tiers.persistent import FsspecTier
+
+    told: list[str] = []
+
+    def slow_done(why):
+        time.sleep(0.3)  # a report that takes a while (a pipe send behind others)
+        told.append(why)
+
+    up = Uploader(PersistParams(url=FsspecTier(str(tmp_path / "p")), job="j", rank=1, world_size=2, interval_s=1.0,
+                                timeout_s=60), two_ranks[1])
+    assert up.start(3, b'{"checksum": "00"}', bytearray(64), 64, slow_done)
+    threading.Timer(0.2, two_ranks[0].persist_outcome, (-4, "0", 0)).start()  # rank 0's clock: not due
+    assert up.wait_idle(10)
+    assert told == [NOT_DUE]
+    assert up.cancel() is None
