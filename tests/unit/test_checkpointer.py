@@ -471,3 +471,27 @@ def test_saving_parameters_leaves_no_autograd_graph_that_keeps_them_alive(local_
         del w, opt
         gc.collect()
         assert gone() is None
+
+
+@pytest.mark.parametrize("swap", ["data", "half"])
+def test_parameters_rebound_right_after_save_do_not_change_what_it_saves(local_dir, late_staging, swap):
+    """Swapping weights in after save() returns (EMA weights for an evaluation through
+    ``p.data``, ``model.half()`` for inference) rebinds the parameters; the checkpoint
+    still holds what they were when save() was called."""
+    m = tiny_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.5)
+    train(m, o, 1)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with _ckpt(local_dir) as ck:
+        h = ck.save(1, {"model": m})
+        if swap == "data":
+            for p in m.parameters():
+                p.data = torch.zeros_like(p)
+        else:
+            m.half()
+        h.wait()
+    fresh = tiny_model(5)
+    with _ckpt(local_dir) as ck:
+        assert ck.load({"model": fresh}) == 1
+    for k, v in fresh.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k

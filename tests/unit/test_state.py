@@ -254,13 +254,24 @@ def test_what_a_module_saves_is_what_its_own_state_dict_and_hooks_say():
         def _save_to_state_dict(self, destination, prefix, keep_vars):
             destination[prefix + "weight"] = (self.weight.detach() * 4).round()
 
+    class Packed(torch.nn.Linear):  # a child's own state_dict, which branches on keep_vars
+        def state_dict(self, *args, destination=None, prefix="", keep_vars=False):  # type: ignore[override]
+            out = {} if destination is None else destination
+            if keep_vars:
+                out[prefix + "weight"] = self.weight
+            else:
+                out[prefix + "weight_q"] = (self.weight.detach() * 8).round()
+            return out
+
     hooked = torch.nn.Linear(2, 2)
     hooked.register_state_dict_post_hook(lambda mod, sd, prefix, meta: sd.__setitem__(prefix + "extra", torch.ones(3)))
     q = torch.nn.Sequential(Quantish(2, 2, bias=False), torch.nn.ReLU())
-    flat = flatten({"old": Old(), "hooked": hooked, "q": q, "plain": torch.nn.Linear(2, 2)})
+    packed = torch.nn.Sequential(Packed(2, 2))
+    flat = flatten({"old": Old(), "hooked": hooked, "q": q, "plain": torch.nn.Linear(2, 2), "packed": packed})
     got = {s.name: t for s, t in zip(flat.specs, flat.tensors)}
     assert torch.equal(got["old/w_times_two"], torch.arange(4.0) * 2)
     assert torch.equal(got["hooked/extra"], torch.ones(3))
     assert torch.equal(got["q/0.weight"], (q[0].weight.detach() * 4).round())
     assert set(got) == {"old/w_times_two", "hooked/weight", "hooked/bias", "hooked/extra", "q/0.weight",
-                        "plain/weight", "plain/bias"}
+                        "plain/weight", "plain/bias", "packed/0.weight_q"}
+    assert torch.equal(got["packed/0.weight_q"], (packed[0].weight.detach() * 8).round())
