@@ -67,10 +67,14 @@ def _close_at_exit(ckpt: "Checkpointer") -> None:
     without a word): at interpreter exit, before the thread pools' own exit hooks shut
     them down, the Checkpointer drains what is in flight, and says so.
     Holds the Checkpointer weakly: one that was dropped or closed, or has nothing in
-    flight, is not touched."""
+    flight, is not touched. Only in the process that made it: multiprocessing's forked
+    children (DataLoader workers) run these hooks too when they end."""
     ref = weakref.ref(ckpt)
+    owner = os.getpid()
 
     def drain() -> None:
+        if os.getpid() != owner:  # a forked child (a DataLoader worker) ending: not its saves
+            return
         c = ref()
         if c is None or c._closed:
             return
