@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from incluster.errors import CommitError, PeerTimeoutError
+from incluster.errors import CommitError, PeerTimeoutError, StoreLostError
 
 
 class Outcome(enum.Enum):
@@ -187,7 +187,7 @@ class StoreCoordinator:
             value = self.store.get(key).decode()
         except Exception as exc:  # DistStoreError on timeout, or the store went away
             if "timeout" not in str(exc).lower():
-                raise PeerTimeoutError(f"lost the job store while waiting for step {step}: {exc}") from None
+                raise StoreLostError(f"lost the job store while waiting for step {step}: {exc}") from None
             n = int(self.store.add(self._k("c", step), 0))
             why = (f"step {step} was not committed by every rank within {timeout:.0f} s "
                    f"({n} of {self.addr.quorum} copies committed)")

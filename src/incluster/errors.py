@@ -27,6 +27,11 @@ class PeerTimeoutError(CheckpointError):
     """A peer or a wait did not answer in time."""
 
 
+class StoreLostError(PeerTimeoutError):
+    """The job store (served by rank 0's process) went away while a step's outcome was
+    awaited: the outcome is unknown here, so what this node holds of the step is kept."""
+
+
 class WriterProcessDied(CheckpointError):
     """The background writer died; the message carries its pid and exit code."""
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from incluster.config import Config
 from incluster.commit import Outcome, StoreCoordinator, failed_on
-from incluster.errors import CheckpointError, CommitError, PeerTimeoutError, TierUnavailableError, WriterProcessDied
+from incluster.errors import (CheckpointError, CommitError, PeerTimeoutError, StoreLostError, TierUnavailableError,
+                              WriterProcessDied)
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.replication import announce_writer
@@ -169,6 +170,9 @@ class SavePipeline:
             if not self._settle_orphan(job, handle, exc):
                 self._fail(job, handle, exc, "commit", published=True, writer=writer)
                 return
+        elif isinstance(exc, StoreLostError):
+            self._outcome_unknown(job, handle, exc)
+            return
         elif exc is not None:  # the writer published its own failures
             self._fail(job, handle, exc, "commit", published=True, writer=writer)
             return
@@ -178,6 +182,27 @@ class SavePipeline:
         if self.world_size > 1:
             self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
         handle.durable.set_result(None)
+
+    def _outcome_unknown(self, job: StageJob, handle: SaveHandle, exc: BaseException) -> None:
+        """The job store went away (rank 0's process died) before ``job.step``'s outcome
+        was known here. It may be durable on every rank: rank 0 may have seen it so and
+        told its caller. Un-committing this rank's copy (and the replicas held here) would
+        lose a step reported durable, so both stay; a restart's load() takes the step
+        only if every rank's copy of it is found."""
+        err = PeerTimeoutError(
+            f"step {job.step} is committed on this rank, but the job store went away (rank 0's process ended?) "
+            f"before its outcome was known: {exc}. This node keeps its copies of it; a restart restores it "
+            f"if every rank's copy is found, else the step before")
+        err.from_peer = True  # type: ignore[attr-defined]
+        log.warning("incluster: rank %d: %s", self.rank, err)
+        self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
+        with self._lock:
+            self._errors.append((handle, err))
+        if not handle.durable.done():
+            handle.durable.set_exception(err)
+        if not handle.persisted.done() and job.step not in self._uploads:
+            with contextlib.suppress(InvalidStateError):
+                handle.persisted.set_result(False)
 
     def _settle_orphan(self, job: StageJob, handle: SaveHandle, exc: BaseException) -> bool:
         """The writer died with ``job.step`` in flight. It may have committed the step here

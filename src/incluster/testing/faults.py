@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENV = "INCLUSTER_FAULTS"
-PHASES = ("stage", "commit", "sidecar", "counted", "replicate", "upload", "load-transfer", "load", "allocate", "heal", "handoff")
+PHASES = ("stage", "commit", "sidecar", "counted", "replicate", "outcome", "upload", "load-transfer", "load", "allocate", "heal",
+          "handoff")
 _ALIASES = {"load": "load-transfer"}
 SLOW_S = 2.0
 ACTIONS = ("raise", "enospc", "slow", "kill", "hang")

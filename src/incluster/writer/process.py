@@ -25,7 +25,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Any
 
-from incluster.errors import CommitError, PeerTimeoutError, WriterProcessDied
+from incluster.errors import CommitError, PeerTimeoutError, StoreLostError, WriterProcessDied
 from incluster.staging.slots import Slot
 from incluster.writer.local_commit import CommitRequest
 from incluster.writer.protocol import Kind, Message, WriterParams
@@ -206,6 +206,8 @@ class ProcessWriter:
             elif msg.kind is Kind.OUTCOME:
                 if msg.error is None:
                     outcome.set_result(None)
+                elif msg.error_type == "StoreLostError":
+                    outcome.set_exception(StoreLostError(msg.error))
                 elif msg.error_type == "PeerTimeoutError":
                     outcome.set_exception(PeerTimeoutError(msg.error))
                 else:

@@ -188,6 +188,7 @@ class CommitService:
             pass
 
     def wait_outcome(self, step: int) -> None:
+        faults.check("outcome", self.params.rank, step)
         self.watch.wait_outcome(step, self.params.outcome_timeout_s)
 
     def _map(self, req: CommitRequest) -> mmap.mmap:

@@ -77,7 +77,8 @@ class ThreadWriter:
             self._service.wait_outcome(step)
             self._service.on_outcome(step)
         except BaseException as exc:  # noqa: BLE001
-            self._service.on_failed(step)
+            if type(exc).__name__ != "StoreLostError":  # outcome unknown: the replicas held here stay
+                self._service.on_failed(step)
             outcome.set_exception(exc)
             return
         outcome.set_result(None)

@@ -70,7 +70,8 @@ def serve(conn: Connection) -> None:
                 service.on_outcome(step)
                 send(Message(Kind.OUTCOME, gen, seq, step))
             except Exception as exc:  # noqa: BLE001 - sent back, raised in the trainer
-                service.on_failed(step)
+                if type(exc).__name__ != "StoreLostError":  # outcome unknown: the replicas held here stay
+                    service.on_failed(step)
                 send(Message(Kind.OUTCOME, gen, seq, step, error=str(exc), error_type=type(exc).__name__))
 
     watcher = threading.Thread(target=watch, name="incluster-outcome", daemon=True)
