@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -60,6 +61,9 @@ def _rank_world() -> tuple[int, int]:
             f"torch.distributed.init_process_group() before creating the Checkpointer"
         )
     return 0, 1
+
+
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
 def _close_at_exit(ckpt: "Checkpointer") -> None:
@@ -114,9 +118,15 @@ class Checkpointer(SavePipeline, LoadPipeline):
         if self.rank == 0:
             ramdisk.hint_once(self.config.local_dir)
             rid = os.environ.get("TORCHELASTIC_RUN_ID")
+            drawn = bool(rid and _UUID.match(rid))  # torchrun --standalone draws a new one per launch
             self._job_derived = (not options.get("job") and not os.environ.get("INCLUSTER_JOB")
-                                 and (not rid or rid == "none"))
-            if self._job_derived and rid == "none" and self.world_size > 1:
+                                 and (not rid or rid == "none" or drawn))
+            if self._job_derived and drawn:
+                log.warning("incluster: job %r is named from torchrun's run id %s, which `torchrun --standalone` "
+                            "draws anew at every launch: a relaunch will not find these checkpoints. Pass "
+                            "--rdzv-id NAME to torchrun (the same at every launch), or job= / INCLUSTER_JOB",
+                            self.config.job, rid)
+            elif self._job_derived and rid == "none" and self.world_size > 1:
                 log.warning("incluster: torchrun was started without --rdzv-id (its run id is 'none'), so job %r is "
                             "named from MASTER_PORT, which torchrun picks anew at every launch: a relaunch will not "
                             "find these checkpoints. Pass --rdzv-id NAME to torchrun (the same at every launch), or "

@@ -73,6 +73,15 @@ def test_an_empty_restore_under_a_derived_job_name_says_how_to_resume(local_dir,
         with incluster.Checkpointer(local_dir=local_dir, writer="thread") as ck:
             assert ck.config.job == "run-7" and ck.load(state) is None
     assert not any("derived" in r.getMessage() or "pass job=" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    rid = "0d5c8a3e-7f41-4c2b-9a51-3b8e2f6d1c07"  # torchrun --standalone draws a run id per launch
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", rid)
+    with caplog.at_level("WARNING", logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, writer="thread") as ck:
+            assert ck.config.job == rid and ck.load(state) is None
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("--standalone" in m and "--rdzv-id" in m for m in said), said
+    assert any("pass job=" in m for m in said), said
 
 
 def test_a_mistyped_environment_variable_is_named_with_the_one_meant(monkeypatch, caplog, local_dir):

@@ -127,7 +127,7 @@ def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, stric
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         why = lines[-1] if lines else type(exc).__name__  # DCP wraps the cause in every rank's traceback
         raise CheckpointError(
-            f"loading the DCP checkpoint {path} into this state failed: {why} Its entries are "
+            f"loading the DCP checkpoint {path} into this state failed: {why.rstrip('.')}. Its entries are "
             f"{sorted(tops)}; load with the same structure it was saved with"
         ) from exc
     if part is not state:
