@@ -84,3 +84,33 @@ def test_trainer_sigkill_resumes_bitwise(local_dir, tmp_path):
     assert full_w.keys() == resumed_w.keys()
     for name, value in full_w.items():
         assert torch.equal(value, resumed_w[name]), f"{name} differs after the resumed run"
+
+
+def test_the_trainer_takes_checkpointer_options_as_a_dict_like_lightning(local_dir, tmp_path):
+    """``checkpointer=dict(...)`` (the Lightning strategies' form) makes a Checkpointer
+    with those options, closed when train() returns; anything else is refused at once,
+    not with an AttributeError at the first save."""
+    require("transformers", "transformers")
+    import torch
+    from transformers import TrainingArguments
+
+    from incluster.integrations.transformers import InclusterTrainer
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels=None):
+            y = self.lin(x).squeeze(-1)
+            return {"loss": ((y - labels) ** 2).mean(), "logits": y}
+
+    data = [{"x": torch.randn(2), "labels": torch.tensor(0.0)} for _ in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, save_steps=1, report_to=[], use_cpu=True)
+    t = InclusterTrainer(model=Tiny(), args=args, train_dataset=data,
+                         checkpointer=dict(local_dir=local_dir, job="as-dict", writer="thread"))
+    t.train()
+    assert t.incluster_handle.step == 2 and t._ic_checkpointer is None  # made from the dict, closed after train()
+    assert os.path.isdir(os.path.join(local_dir, "as-dict"))
+    with pytest.raises(TypeError, match="a dict of its options"):
+        InclusterTrainer(model=Tiny(), args=args, train_dataset=data, checkpointer="as-dict")

@@ -69,12 +69,19 @@ class _Restored:
 class InclusterTrainerMixin:
     """Mix in before a ``transformers.Trainer`` (sub)class: checkpoints go to incluster.
 
-    ``checkpointer``: an :class:`incluster.Checkpointer`; when omitted one with the defaults
-    (``INCLUSTER_LOCAL_DIR``, job from the launch) is made at the first save or restore
+    ``checkpointer``: an :class:`incluster.Checkpointer`, or a dict of its options (as
+    Lightning's strategies take); when omitted or a dict, one (with the defaults:
+    ``INCLUSTER_LOCAL_DIR``, job from the launch) is made at the first save or restore
     and closed when ``train()`` returns. ``train()`` returns once its last save is durable.
     """
 
     def __init__(self, *args: Any, checkpointer: Any = None, **kwargs: Any) -> None:
+        self._ic_options: dict[str, Any] = {}
+        if isinstance(checkpointer, dict):
+            self._ic_options, checkpointer = dict(checkpointer), None
+        elif checkpointer is not None and not (hasattr(checkpointer, "save") and hasattr(checkpointer, "load")):
+            raise TypeError(f"checkpointer= takes an incluster.Checkpointer or a dict of its options, not a "
+                            f"{type(checkpointer).__name__}")
         super().__init__(*args, **kwargs)
         self._ic_checkpointer = checkpointer
         self._ic_owned = False
@@ -89,7 +96,7 @@ class InclusterTrainerMixin:
         if self._ic_checkpointer is None:
             import incluster
 
-            self._ic_checkpointer, self._ic_owned = incluster.Checkpointer(), True
+            self._ic_checkpointer, self._ic_owned = incluster.Checkpointer(**self._ic_options), True
         return self._ic_checkpointer
 
     # -- train --------------------------------------------------------------------------
