@@ -212,3 +212,42 @@ def test_a_resume_with_another_number_of_processes_is_refused_by_name():
         refuse_resize(ck, "why")
     ck.last_restore = RestoreReport(0, "n0", 8, source="local")
     refuse_resize(ck, "why")  # the same world: nothing to say
+
+
+def test_a_resume_with_another_batch_size_is_refused_instead_of_skipping_other_samples(local_dir):
+    """Saved after 3 batches of 8; resumed with batches of 16, skipping 3 batches would
+    skip 48 samples where the run had taken 24: samples never trained on, without a word."""
+    require("accelerate", "accelerate")
+    import torch
+    from accelerate import Accelerator
+
+    import incluster
+    from incluster.integrations.accelerate import AcceleratorCheckpoint
+
+    data = torch.utils.data.TensorDataset(torch.arange(64.0).unsqueeze(1))
+
+    def setup(batch_size):
+        acc = Accelerator(cpu=True)
+        model = torch.nn.Linear(1, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        ck = incluster.Checkpointer(local_dir=local_dir, job="bs", writer="thread")
+        return model, opt, loader, AcceleratorCheckpoint(acc, ck)
+
+    model, opt, loader, ac = setup(8)
+    for i, (x,) in enumerate(ac.batches(loader, 0), start=1):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 3:
+            ac.save(3).wait()
+            break
+    ac.close()
+    model, opt, loader, ac = setup(16)
+    try:
+        assert ac.load() == 3
+        with pytest.raises(incluster.CheckpointError, match="3 batches of 8 samples.*batches of 8"):
+            next(iter(ac.batches(loader, ac.epoch)))
+    finally:
+        ac.close()

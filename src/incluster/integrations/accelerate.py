@@ -174,6 +174,15 @@ class AcceleratorCheckpoint:
         pos = self.position
         resumed = self._skip is not None and self._skip[0] == epoch
         skip = self._skip[1] if resumed and self._skip is not None else 0
+        size = getattr(dataloader, "total_batch_size", None) or getattr(dataloader, "batch_size", None)
+        size = size if isinstance(size, int) else None
+        if skip and pos.batch_size is not None and size is not None and size != pos.batch_size:
+            raise CheckpointError(
+                f"the restored step was saved after {skip} batches of {pos.batch_size} samples in epoch {epoch}, but "
+                f"this loader's batches hold {size}: skipping {skip} of them would skip {skip * size} samples, not "
+                f"the {skip * pos.batch_size} the run had taken. Resume with batches of {pos.batch_size} (all "
+                f"processes together) and change the batch size from the next epoch on")
+        pos.batch_size = size
         self._skip = None
         if hasattr(dataloader, "set_epoch"):
             dataloader.set_epoch(epoch)  # the sampler's order for this epoch, also after a restart

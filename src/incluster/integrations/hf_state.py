@@ -37,6 +37,7 @@ class DataPosition:
     def __init__(self) -> None:
         self.epoch = 0
         self.batches = 0
+        self.batch_size: int | None = None  # samples per batch, all processes together (None: unknown)
         self.rng_at_start: dict[str, Any] | None = None
         self.generators_at_start: list[torch.Tensor] = []
         self.generators_saved: list[torch.Tensor] = []  # as loaded
@@ -46,6 +47,7 @@ class DataPosition:
         return {
             "epoch": self.epoch,
             "batches": self.batches,
+            "batch_size": self.batch_size,
             "rng_at_start": self.rng_at_start,
             "generators_at_start": list(self.generators_at_start),
             "generators": [g.get_state() for g in self.live],
@@ -53,6 +55,7 @@ class DataPosition:
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.epoch, self.batches = int(sd["epoch"]), int(sd["batches"])
+        self.batch_size = sd.get("batch_size")  # absent in checkpoints of older versions
         self.rng_at_start = sd.get("rng_at_start")
         self.generators_at_start = list(sd.get("generators_at_start") or [])
         self.generators_saved = list(sd.get("generators") or [])
