@@ -164,6 +164,18 @@ def _walk_module(module: torch.nn.Module) -> tuple[bool, list[torch.Tensor]]:
     return keep, list(bufs.values())
 
 
+def _initialized(sd: Any) -> Any:
+    """A lazy module (``LazyLinear``) holds no values before its first forward pass: say
+    so in save(), not as a shape error when the staging thread reaches it."""
+    from torch.nn.parameter import UninitializedTensorMixin as lazy  # type: ignore[attr-defined]
+    for k, v in sd.items():
+        if isinstance(v, lazy):
+            raise CheckpointError(
+                f"{k}: an uninitialized parameter of a lazy module (LazyLinear, ...) holds no values yet; run "
+                f"one forward pass (or load() into the module) before saving it")
+    return sd
+
+
 def _pinned(sd: Any) -> Any:
     """``state_dict(keep_vars=True)`` made to hold what ``state_dict()`` would: an alias
     of each tensor (a later ``param.data = ...`` or ``model.half()`` must not change what
@@ -208,7 +220,7 @@ def _capture(
         return tuple(_capture(v, optimizers, allow_pickle, bare) for v in obj)
     if isinstance(obj, torch.nn.Module):
         keep, bufs = _walk_module(obj)
-        sd = _pinned(obj.state_dict(keep_vars=True)) if keep else obj.state_dict()
+        sd = _pinned(obj.state_dict(keep_vars=True)) if keep else _initialized(obj.state_dict())
         buffers: dict[int, torch.Tensor] = {}
         if bufs:
             saved = {v.data_ptr() for v in sd.values() if isinstance(v, torch.Tensor)}

@@ -275,3 +275,14 @@ def test_what_a_module_saves_is_what_its_own_state_dict_and_hooks_say():
     assert set(got) == {"old/w_times_two", "hooked/weight", "hooked/bias", "hooked/extra", "q/0.weight",
                         "plain/weight", "plain/bias", "packed/0.weight_q"}
     assert torch.equal(got["packed/0.weight_q"], (packed[0].weight.detach() * 8).round())
+
+
+def test_a_lazy_module_before_its_first_forward_is_refused_in_save_with_the_fix(local_dir):
+    import incluster
+
+    with incluster.Checkpointer(local_dir=local_dir, job="lazy", writer="thread") as ck:
+        m = torch.nn.Sequential(torch.nn.LazyLinear(4))
+        with pytest.raises(CheckpointError, match="0.weight: an uninitialized parameter.*forward pass"):
+            ck.save(1, {"m": m})
+        m(torch.ones(2, 3))  # materialized: saved as usual
+        ck.save(2, {"m": m}).wait()
