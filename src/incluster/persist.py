@@ -196,10 +196,11 @@ class Uploader:
         threading.Thread(target=decide_then_start, name=f"incluster-persist-due-{step}", daemon=True).start()
         return True
 
-    def _report(self, done: Callable[[str | None], None], why: str | None) -> None:
-        """Tell a step's outcome, then count it as no longer active."""
+    def _report(self, done: Callable[[str | None], None] | None, why: str | None) -> None:
+        """Tell a step's outcome (``done`` None: told already), then count it as no longer active."""
         try:
-            done(why)
+            if done is not None:
+                done(why)
         finally:
             with self._fate:
                 self._active -= 1
@@ -319,7 +320,7 @@ class Uploader:
             if cancelled:  # cancel() reported it already; the slot is no longer read
                 log.info("incluster: rank %d: the upload of step %d that close() gave up on ended (%s)",
                          self.p.rank, step, err or "uploaded; no manifest")
-                self._report(lambda _: None, None)
+                self._report(None, None)
                 return
             if err is None:
                 self._last_took = time.monotonic() - began

@@ -195,14 +195,7 @@ class SavePipeline:
             f"if every rank's copy is found, else the step before")
         err.from_peer = True  # type: ignore[attr-defined]
         log.warning("incluster: rank %d: %s", self.rank, err)
-        self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
-        with self._lock:
-            self._errors.append((handle, err))
-        if not handle.durable.done():
-            handle.durable.set_exception(err)
-        if not handle.persisted.done() and job.step not in self._uploads:
-            with contextlib.suppress(InvalidStateError):
-                handle.persisted.set_result(False)
+        self._tell_failed(job, handle, err)  # the slot stays committed: no ring.fail
 
     def _settle_orphan(self, job: StageJob, handle: SaveHandle, exc: BaseException) -> bool:
         """The writer died with ``job.step`` in flight. It may have committed the step here
@@ -295,6 +288,10 @@ class SavePipeline:
         if job.drain is not None and self._stager.remote is not None:
             self._stager.remote.done(job.step)  # a failed drain stopped reading; a dead writer reads nothing
         self.ring.fail(job.slot, job.step)  # one locked transition: no save can take it half way
+        self._tell_failed(job, handle, err)
+
+    def _tell_failed(self, job: StageJob, handle: SaveHandle, err: BaseException) -> None:
+        """Report ``job.step`` as not durable: the event, wait()'s error, the handle."""
         self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
         with self._lock:
             self._errors.append((handle, err))

@@ -279,6 +279,10 @@ class _Flattener:
         self.flat.nbytes += t.nbytes
         return name
 
+    def _dtensor(self, dt: Any, path: str) -> dict[str, Any]:
+        """A DTensor (or its :class:`dtensor.Pinned` capture): the local shard and placement."""
+        return {"D": self.add_tensor(dtensor.local_of(dt), path), **dtensor.describe(dt)}
+
     def walk(self, obj: Any, path: str) -> Any:
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:  # the common case, first
@@ -291,12 +295,10 @@ class _Flattener:
                     f"state dict holds DTensors, or use FSDP2 (fully_shard)"
                 )
             if dtensor.is_dtensor(obj):
-                name = self.add_tensor(dtensor.local_of(obj), path)
-                return {"D": name, **dtensor.describe(obj)}
+                return self._dtensor(obj, path)
             return {"T": self.add_tensor(obj, path)}
         if cls is dtensor.Pinned:  # a module's DTensor, as save() found it
-            name = self.add_tensor(dtensor.local_of(obj), path)
-            return {"D": name, **dtensor.describe(obj)}
+            return self._dtensor(obj, path)
         if isinstance(obj, bool) or isinstance(obj, _SCALARS):
             return {"v": obj}
         if isinstance(obj, float):

@@ -12,7 +12,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from incluster.errors import CheckpointError
+from incluster.errors import CheckpointError, StoreLostError
 from incluster.staging.slots import Slot
 from incluster.writer.local_commit import CommitRequest
 from incluster.writer.protocol import WriterParams
@@ -77,7 +77,7 @@ class ThreadWriter:
             self._service.wait_outcome(step)
             self._service.on_outcome(step)
         except BaseException as exc:  # noqa: BLE001
-            if type(exc).__name__ != "StoreLostError":  # outcome unknown: the replicas held here stay
+            if not isinstance(exc, StoreLostError):  # outcome unknown: the replicas held here stay
                 self._service.on_failed(step)
             outcome.set_exception(exc)
             return

@@ -25,6 +25,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Callable
 
+from incluster.errors import StoreLostError
 from incluster.writer.protocol import Kind, Message, WriterParams
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def serve(conn: Connection) -> None:
                 service.on_outcome(step)
                 send(Message(Kind.OUTCOME, gen, seq, step))
             except Exception as exc:  # noqa: BLE001 - sent back, raised in the trainer
-                if type(exc).__name__ != "StoreLostError":  # outcome unknown: the replicas held here stay
+                if not isinstance(exc, StoreLostError):  # outcome unknown: the replicas held here stay
                     service.on_failed(step)
                 send(Message(Kind.OUTCOME, gen, seq, step, error=str(exc), error_type=type(exc).__name__))
 
