@@ -58,6 +58,14 @@ def _float_node(x: float) -> dict[str, Any]:
     return {"f": x}
 
 
+ViewKey = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], torch.device]
+
+
+def view_key(t: torch.Tensor) -> ViewKey:
+    """One view of one storage: two tensors with this key hold the same values."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+
+
 class _Captured:
     """A Stateful object's ``state_dict()`` taken at save() time, walked later.
 
@@ -69,7 +77,7 @@ class _Captured:
 
     __slots__ = ("kind", "sd", "buffers")
 
-    def __init__(self, kind: str, sd: Any, buffers: dict[int, torch.Tensor]) -> None:
+    def __init__(self, kind: str, sd: Any, buffers: dict[ViewKey, torch.Tensor]) -> None:
         self.kind, self.sd, self.buffers = kind, sd, buffers
 
 
@@ -79,11 +87,11 @@ class _Rejected(Exception):
 
 class _Root:
     """What ``snapshot`` returns: the captured tree plus the save-time clones of the
-    tensors no optimizer step guards (by data pointer; the flattener swaps them in)."""
+    tensors no optimizer step guards (by view key; the flattener swaps them in)."""
 
     __slots__ = ("tree", "clones")
 
-    def __init__(self, tree: Any, clones: dict[int, torch.Tensor]) -> None:
+    def __init__(self, tree: Any, clones: dict[ViewKey, torch.Tensor]) -> None:
         self.tree, self.clones = tree, clones
 
 
@@ -115,7 +123,7 @@ def snapshot(
         except _Rejected:
             flatten_snapshot(state)  # walks again with paths, raising the precise error
             raise
-        clones: dict[int, torch.Tensor] = {}
+        clones: dict[ViewKey, torch.Tensor] = {}
         left: list[torch.Tensor] = []
         if guarded is not None and bare:
             safe = guarded(optimizers)
@@ -125,10 +133,13 @@ def snapshot(
                 bare = []
             for t in bare:
                 ptr = t.data_ptr()
-                if ptr == 0 or ptr in safe or ptr in clones:
+                if ptr == 0 or ptr in safe:
+                    continue
+                key = view_key(t)
+                if key in clones:
                     continue
                 if t.nbytes <= budget:
-                    clones[ptr] = t.detach().clone()
+                    clones[key] = t.detach().clone()
                     budget -= t.nbytes
                 else:
                     left.append(t)
@@ -221,11 +232,14 @@ def _capture(
     if isinstance(obj, torch.nn.Module):
         keep, bufs = _walk_module(obj)
         sd = _pinned(obj.state_dict(keep_vars=True)) if keep else _initialized(obj.state_dict())
-        buffers: dict[int, torch.Tensor] = {}
+        buffers: dict[ViewKey, torch.Tensor] = {}
         if bufs:
-            saved = {v.data_ptr() for v in sd.values() if isinstance(v, torch.Tensor)}
-            # Only buffers the state dict holds: non-persistent ones are not saved, so not copied.
-            buffers = {b.data_ptr(): b.clone() for b in bufs if b.numel() > 0 and b.data_ptr() in saved}
+            saved = {view_key(v) for v in sd.values() if isinstance(v, torch.Tensor)}
+            # Only buffers the state dict holds: non-persistent ones are not saved, so not copied
+            # (a non-persistent view of a saved buffer shares its pointer, not its view key).
+            for b in bufs:
+                if b.numel() > 0 and (key := view_key(b)) in saved:
+                    buffers[key] = b.clone()
         return _Captured("module", sd, buffers)
     if isinstance(obj, torch.optim.Optimizer):
         optimizers.append(obj)
@@ -243,7 +257,7 @@ class _Flattener:
         self.flat = Flat()
         self.seen: dict[tuple[Any, ...], str] = {}
         self.names: set[str] = set()
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[ViewKey, torch.Tensor] = {}
 
     def add_tensor(self, t: torch.Tensor, name: str) -> str:
         if t.layout is not torch.strided:
@@ -264,9 +278,9 @@ class _Flattener:
             if prior is not None:
                 return prior  # same view of the same storage: store once (tied weights)
             self.seen[key] = name
-            clone = self.buffers.get(ptr)
-            if clone is not None and clone.shape == t.shape:
-                t = clone  # the value the buffer had when save() was called
+            clone = self.buffers.get(key)
+            if clone is not None:
+                t = clone  # the value this view had when save() was called
         if name in self.names:
             raise CheckpointError(
                 f"{name}: two different values flatten to the same name; rename one of the keys "

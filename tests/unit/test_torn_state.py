@@ -171,3 +171,37 @@ def test_time_the_optimizer_waits_for_staging_is_counted_as_save_cost(local_dir,
     t = [float(e["t"]) for e in events]
     acc = account_rank(attempts, min(t), max(t))
     assert acc["checkpoint_save"] >= waits[0]["seconds"]
+
+
+class _Aliased(torch.nn.Module):
+    """A persistent statistic and a non-persistent view of the same memory (same data
+    pointer, another shape), registered after it: forward updates the statistic in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stat", torch.arange(8.0))
+        self.register_buffer("grid", self.stat.view(2, 4), persistent=False)
+
+    def forward(self) -> None:
+        self.stat.mul_(10)
+
+
+def test_a_buffer_keeps_its_save_time_value_when_a_view_of_it_shares_its_pointer(local_dir, slow_staging):
+    m = _Aliased()
+    with _ckpt(local_dir) as ck:
+        expected = {"model": {"stat": m.stat.clone()}}
+        h = ck.save(1, {"model": m})
+        m()  # forward right after save(): the statistic changes
+        h.wait()
+        _assert_shard_is(ck.folder, 1, expected)
+
+
+def test_two_views_of_one_tensor_in_a_plain_dict_both_keep_their_save_time_values(local_dir, slow_staging):
+    w = torch.arange(12.0)
+    with _ckpt(local_dir) as ck:
+        state = {"flat": w, "grid": w.view(3, 4)}  # no optimizer guards either: both cloned at save()
+        expected = {k: v.clone() for k, v in state.items()}
+        h = ck.save(1, state)
+        w.mul_(10)
+        h.wait()
+        _assert_shard_is(ck.folder, 1, expected)
