@@ -1,10 +1,14 @@
-"""One process, gradient accumulation: fit to step 6 saving every 3 steps, then fit again
-with ``ckpt_path="incluster"`` to step 9 (run by test_lightning.py).
+"""One process, the callback's bookkeeping (run by test_lightning.py).
 
     lightning_accumulate.py OUT_JSON
 
-A resumed run's first batch does not step (it accumulates), so ``global_step`` stays at
-the restored step for one batch: the callback must not save that step again.
+- Gradient accumulation: fit to step 6 saving every 3 steps, then fit again with
+  ``ckpt_path="incluster"`` to step 9. A resumed run's first batch does not step (it
+  accumulates), so ``global_step`` stays at the restored step for one batch: the callback
+  must not save that step again.
+- The end of fit: a fit to step 10 saves step 10 (not a multiple of 3) as it ends.
+- A StatefulDataLoader saved mid-epoch with batches of 4: a resume with batches of 8 is
+  refused before it trains; one with batches of 4 goes on.
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pytorch_lightning as pl
+from incluster import CheckpointError
 from incluster.integrations.lightning import INCLUSTER, InclusterCheckpoint, InclusterDDPStrategy
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, batch_size: int = 4, stateful: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Linear(4, 1)
+        self.batch_size, self.stateful = batch_size, stateful
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -34,25 +40,37 @@ class Tiny(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(1)
         x = torch.randn(64, 4, generator=g)
-        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+        data = TensorDataset(x, x.sum(1, keepdim=True))
+        if self.stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(data, batch_size=self.batch_size)
+        return DataLoader(data, batch_size=self.batch_size)
 
 
-def fit(max_steps: int, ckpt_path: str | None) -> tuple[int, int | None]:
-    strategy = InclusterDDPStrategy(checkpointer=dict(job="accumulate"))
+def fit(max_steps: int, ckpt_path: str | None, job: str = "accumulate", **data: object) -> list[object]:
+    strategy = InclusterDDPStrategy(checkpointer=dict(job=job))
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=2,
         callbacks=[InclusterCheckpoint(every_n_steps=3)], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    trainer.fit(Tiny(), ckpt_path=ckpt_path)
-    return trainer.global_step, strategy.incluster_restored_step
+    try:
+        trainer.fit(Tiny(**data), ckpt_path=ckpt_path)  # type: ignore[arg-type]
+    except CheckpointError as e:
+        return ["refused", str(e)]
+    return [trainer.global_step, strategy.incluster_restored_step]
 
 
 def main() -> None:
-    first = fit(6, None)
-    second = fit(9, INCLUSTER)
+    res = {"first": fit(6, None), "second": fit(9, INCLUSTER), "last": fit(10, INCLUSTER),
+           "after_last": fit(10, INCLUSTER)}
+    # 16 batches of 4 per epoch, 2 per step: step 5 is saved (at the end of fit) 10 batches in.
+    res["bs_first"] = fit(5, None, "batch", stateful=True)
+    res["bs_other"] = fit(7, INCLUSTER, "batch", stateful=True, batch_size=8)
+    res["bs_same"] = fit(7, INCLUSTER, "batch", stateful=True)
     with open(sys.argv[1], "w") as f:
-        json.dump({"first": first, "second": second}, f)
+        json.dump(res, f)
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort it
         torch.distributed.destroy_process_group()
 

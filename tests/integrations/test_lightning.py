@@ -98,14 +98,20 @@ def test_sigkill_mid_epoch_resumes_bitwise(local_dir, tmp_path, strategy):
     assert _read(out, "ref", 0)["params"] == _read(out, "ref", 1)["params"]  # DDP kept ranks in step
 
 
-@pytest.mark.timeout(120)
-def test_resume_with_gradient_accumulation_does_not_save_the_restored_step_again(local_dir, tmp_path):
+@pytest.mark.timeout(300)
+def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_mid_epoch_loader(local_dir, tmp_path):
     require("pytorch-lightning", "pytorch_lightning")
+    require("torchdata", "torchdata.stateful_dataloader")
     out = str(tmp_path / "acc.json")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="1", LOCAL_RANK="0",
                NODE_RANK="0", INCLUSTER_LOCAL_DIR=local_dir, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lightning_accumulate.py"), out],
-                          env=env, capture_output=True, text=True, timeout=110)
+                          env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.load(open(out))
-    assert res["first"] == [6, None] and res["second"] == [9, 6], res
+    assert res["first"] == [6, None] and res["second"] == [9, 6], res  # accumulation: 6 not saved again
+    assert res["last"] == [10, 9] and res["after_last"] == [10, 10], res  # step 10: saved as fit ended
+    assert res["bs_first"] == [5, None], res
+    refused, why = res["bs_other"]
+    assert refused == "refused" and "batch size 4" in why and "now has 8" in why, res
+    assert res["bs_same"] == [7, 5], res

@@ -6,7 +6,8 @@
   ``incluster.Checkpointer`` on every rank for the path ``"incluster"`` (see
   ``lightning_strategy``); other paths behave as before.
 - ``InclusterCheckpoint(every_n_steps=N)``: a callback that saves after every Nth optimizer
-  step and keeps each rank's random number generators in the checkpoint.
+  step and at the end of ``fit``, keeps each rank's random number generators in the
+  checkpoint, and refuses a mid-epoch resume whose resumable loader has another batch size.
 
 Lightning's loops (epoch, global step, batch progress, a stateful dataloader's position),
 callback states, LR schedulers, precision-plugin state and hyper-parameters are stored
@@ -24,6 +25,7 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
+from incluster.errors import CheckpointError
 from incluster.integrations.rng import RngState
 from incluster.integrations.lightning_strategy import INCLUSTER, InclusterStrategyMixin, require_strategy
 
@@ -45,14 +47,17 @@ class _CheckpointHooks:
 
     _incluster_saves = True  # what the strategy looks for: something saves to incluster
 
-    def __init__(self, every_n_steps: int, *, rng: bool = True) -> None:
+    def __init__(self, every_n_steps: int, *, rng: bool = True, save_last: bool = True) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an int >= 1 (got {every_n_steps!r})")
         super().__init__()
         self.every_n_steps = every_n_steps
         self.rng = rng
+        self.save_last = save_last
         self._last_saved = -1
         self._pending_rng: dict[str, Any] | None = None
+        self._batch_size: Any = None  # the resumable train loaders' batch sizes, as saved
+        self._saved_batch_size: Any = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         require_strategy(trainer.strategy, _NAMES)
@@ -65,23 +70,64 @@ class _CheckpointHooks:
             self._last_saved = step
             trainer.strategy.incluster_save(trainer, step)
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # The end of fit (max_steps, max_epochs, early stopping): what the run trained last.
+        step = trainer.global_step
+        if self.save_last and step > 0 and step != self._last_saved:
+            self._last_saved = step
+            trainer.strategy.incluster_save(trainer, step)
+
     def state_dict(self) -> dict[str, Any]:
         # Lightning's own checkpoint keeps no RNG state (and its file holds rank 0's only);
         # each incluster shard is one rank's, so each rank gets its own generators back.
-        return {"rng": RngState().state_dict()} if self.rng else {}
+        state: dict[str, Any] = {"rng": RngState().state_dict()} if self.rng else {}
+        if self._batch_size is not None:
+            state["batch_size"] = self._batch_size
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng") if self.rng else None
+        self._saved_batch_size = state_dict.get("batch_size")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # A resumed run's first batches may not step (gradient accumulation): the restored
         # step is saved already and must not be saved again.
         self._last_saved = trainer.global_step
+        self._batch_size = resumable_batch_sizes(trainer.train_dataloader)
+        saved, self._saved_batch_size = self._saved_batch_size, None
+        if saved is not None and self._batch_size is not None and saved != self._batch_size:
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            if progress.current.ready > 0 and not progress.is_last_batch:  # resumes mid-epoch
+                raise CheckpointError(
+                    f"the restored step {trainer.global_step} was saved {progress.current.ready} batches into "
+                    f"an epoch with train batch size {saved}, but the train loader now has {self._batch_size}: "
+                    f"its restored position would skip samples the run never trained on. Resume with batch "
+                    f"size {saved}, and change it at an epoch boundary (a loader made again each epoch: "
+                    f"Trainer(reload_dataloaders_every_n_epochs=1))"
+                )
         # After the restore and after the train dataloader's iterator exists (creating it
         # draws from the global generator): the next draw is the one the saved run made next.
         if self._pending_rng is not None:
             RngState().load_state_dict(self._pending_rng)
             self._pending_rng = None
+
+
+def resumable_batch_sizes(loaders: Any) -> Any:
+    """The batch size of each train loader that resumes mid-epoch (has ``load_state_dict``),
+    in the shape Lightning holds them (one loader, or a list or dict of them); None when
+    none does."""
+    if isinstance(loaders, dict):
+        sizes = {str(k): resumable_batch_sizes(v) for k, v in loaders.items()}
+        return sizes if any(v is not None for v in sizes.values()) else None
+    if isinstance(loaders, (list, tuple)):
+        listed = [resumable_batch_sizes(v) for v in loaders]
+        return listed if any(v is not None for v in listed) else None
+    if not callable(getattr(loaders, "load_state_dict", None)):
+        return None
+    size = getattr(loaders, "batch_size", None)
+    if size is None:  # a batch_sampler= loader
+        size = getattr(getattr(loaders, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +144,8 @@ def for_package(package: str = "pytorch_lightning") -> SimpleNamespace:
     callback = type(
         "InclusterCheckpoint",
         (_CheckpointHooks, pl.Callback),
-        {"__doc__": "Save through incluster after every ``every_n_steps``-th optimizer step."},
+        {"__doc__": "Save through incluster after every ``every_n_steps``-th optimizer step and at the "
+                    "end of ``fit`` (``save_last=False``: not there)."},
     )
     return SimpleNamespace(
         InclusterDDPStrategy=strategy("InclusterDDPStrategy", strategies.DDPStrategy, False),
