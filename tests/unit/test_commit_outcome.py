@@ -128,11 +128,14 @@ def test_a_time_based_upload_still_being_decided_at_close_never_starts(two_ranks
 
     root = tmp_path / "persist"
     words: queue.Queue = queue.Queue()
+    decisions = StoreCoordinator(two_ranks[1].addr, 1, timeout=10)  # the writer's second client, as in service.py
     up = Uploader(PersistParams(url=FsspecTier(str(root)), job="j", rank=1, world_size=2, interval_s=1.0,
-                                timeout_s=60), two_ranks[1])
+                                timeout_s=60), two_ranks[1], decisions)
     assert up.start(3, b'{"checksum": "00"}', bytearray(b"B" * 64), 64, words.put)
     assert not up.wait_idle(0.3)  # the decision is pending: close() may not unmap yet
+    t0 = time.monotonic()
     why = up.cancel()
+    assert time.monotonic() - t0 < 5, "cancel() queued behind the decision's wait"
     assert why is not None and "close()" in why
     assert "close()" in words.get(timeout=1)
     two_ranks[0].persist_outcome(-4, "1", 0)  # rank 0's clock: due
@@ -141,6 +144,7 @@ def test_a_time_based_upload_still_being_decided_at_close_never_starts(two_ranks
     assert not (root / "j").exists() or not any((root / "j").rglob("rank-00001*"))
     assert two_ranks[0].persist_outcome(3, None, 5).startswith("fail:1:")
     assert up.wait_idle(0)
+    decisions.close()
 
 
 def test_close_waits_until_a_decided_steps_outcome_was_told(two_ranks, tmp_path):
