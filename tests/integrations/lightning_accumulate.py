@@ -8,7 +8,10 @@
   must not save that step again.
 - The end of fit: a fit to step 10 saves step 10 (not a multiple of 3) as it ends.
 - A StatefulDataLoader saved mid-epoch with batches of 4: a resume with batches of 8 is
-  refused before it trains; one with batches of 4 goes on.
+  refused before it trains; one with batches of 4 trains the batches an uninterrupted run
+  trains, into the next epoch.
+- A StatefulDataLoader saved on an epoch's last batch: the resume trains the next epoch's
+  first batches, not the epoch after it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ class Tiny(pl.LightningModule):
         super().__init__()
         self.net = torch.nn.Linear(4, 1)
         self.batch_size, self.stateful = batch_size, stateful
+        self.seen: list[list[float]] = []  # (epoch, sum of the batch's inputs) of every batch trained
+
+    def on_train_batch_start(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.seen.append([self.current_epoch, round(float(batch[0].sum()), 5)])
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -48,27 +55,32 @@ class Tiny(pl.LightningModule):
         return DataLoader(data, batch_size=self.batch_size)
 
 
-def fit(max_steps: int, ckpt_path: str | None, job: str = "accumulate", **data: object) -> list[object]:
-    strategy = InclusterDDPStrategy(checkpointer=dict(job=job))
+def fit(max_steps: int, ckpt_path: str | None, job: str = "accumulate", every: int = 3, save_last: bool = True,
+        **data: object) -> list[object]:
+    strategy = InclusterDDPStrategy(checkpointer=dict(job=job, writer="thread"))
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=2,
-        callbacks=[InclusterCheckpoint(every_n_steps=3)], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[InclusterCheckpoint(every_n_steps=every, save_last=save_last)], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
+    model = Tiny(**data)  # type: ignore[arg-type]
     try:
-        trainer.fit(Tiny(**data), ckpt_path=ckpt_path)  # type: ignore[arg-type]
+        trainer.fit(model, ckpt_path=ckpt_path)
     except CheckpointError as e:
         return ["refused", str(e)]
-    return [trainer.global_step, strategy.incluster_restored_step]
+    return [trainer.global_step, strategy.incluster_restored_step, model.seen]
 
 
 def main() -> None:
     res = {"first": fit(6, None), "second": fit(9, INCLUSTER), "last": fit(10, INCLUSTER),
            "after_last": fit(10, INCLUSTER)}
-    # 16 batches of 4 per epoch, 2 per step: step 5 is saved (at the end of fit) 10 batches in.
-    res["bs_first"] = fit(5, None, "batch", stateful=True)
+    # 16 batches of 4 per epoch (shuffled per epoch by Lightning's DistributedSampler), 2 per step.
+    res["ref"] = fit(10, None, "ref", stateful=True)
+    res["bs_first"] = fit(5, None, "batch", stateful=True)  # saved at the end of fit, 10 batches in
     res["bs_other"] = fit(7, INCLUSTER, "batch", stateful=True, batch_size=8)
-    res["bs_same"] = fit(7, INCLUSTER, "batch", stateful=True)
+    res["bs_same"] = fit(10, INCLUSTER, "batch", stateful=True)
+    res["epoch_end"] = fit(9, None, "epoch-end", every=4, save_last=False, stateful=True)  # 8: the last batch
+    res["epoch_end_resumed"] = fit(10, INCLUSTER, "epoch-end", stateful=True)
     with open(sys.argv[1], "w") as f:
         json.dump(res, f)
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort it

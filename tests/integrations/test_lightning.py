@@ -109,9 +109,14 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
                           env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.load(open(out))
-    assert res["first"] == [6, None] and res["second"] == [9, 6], res  # accumulation: 6 not saved again
-    assert res["last"] == [10, 9] and res["after_last"] == [10, 10], res  # step 10: saved as fit ended
-    assert res["bs_first"] == [5, None], res
+    steps = {k: v[:2] for k, v in res.items() if v[0] != "refused"}
+    assert steps["first"] == [6, None] and steps["second"] == [9, 6], steps  # accumulation: 6 not saved again
+    assert steps["last"] == [10, 9] and steps["after_last"] == [10, 10], steps  # step 10: saved as fit ended
+    ref = res["ref"][2]  # (epoch, batch) of an uninterrupted run: 16 batches of epoch 0, 4 of epoch 1
+    assert [e for e, _ in ref] == [0] * 16 + [1] * 4
     refused, why = res["bs_other"]
     assert refused == "refused" and "batch size 4" in why and "now has 8" in why, res
-    assert res["bs_same"] == [7, 5], res
+    assert steps["bs_same"] == [10, 5] and res["bs_same"][2] == ref[10:], res["bs_same"]
+    # saved on epoch 0's last batch: the resume trains epoch 1's first batches, not epoch 2's
+    assert steps["epoch_end"] == [9, None] and steps["epoch_end_resumed"] == [10, 8], steps
+    assert res["epoch_end_resumed"][2] == ref[16:], res["epoch_end_resumed"][2]

@@ -6,7 +6,7 @@
   ``incluster.Checkpointer`` on every rank for the path ``"incluster"`` (see
   ``lightning_strategy``); other paths behave as before.
 - ``InclusterCheckpoint(every_n_steps=N)``: a callback that saves after every Nth optimizer
-  step and at the end of ``fit``, keeps each rank's random number generators in the
+  step and after the fit's last one, keeps each rank's random number generators in the
   checkpoint, and refuses a mid-epoch resume whose resumable loader has another batch size.
 
 Lightning's loops (epoch, global step, batch progress, a stateful dataloader's position),
@@ -64,16 +64,12 @@ class _CheckpointHooks:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Right after the optimizer step (global_step just advanced): the same point at which
-        # ModelCheckpoint saves, which Lightning's loops know how to resume from.
+        # ModelCheckpoint saves, which Lightning's loops know how to resume from. The fit's
+        # last step is saved here too, not in on_train_end: by then a fit that stopped at
+        # max_steps mid-epoch has marked the epoch done, and a resume would skip its rest.
         step = trainer.global_step
-        if step > 0 and step % self.every_n_steps == 0 and step != self._last_saved:
-            self._last_saved = step
-            trainer.strategy.incluster_save(trainer, step)
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        # The end of fit (max_steps, max_epochs, early stopping): what the run trained last.
-        step = trainer.global_step
-        if self.save_last and step > 0 and step != self._last_saved:
+        due = step % self.every_n_steps == 0 or (self.save_last and _ends_fit(trainer))
+        if step > 0 and due and step != self._last_saved:
             self._last_saved = step
             trainer.strategy.incluster_save(trainer, step)
 
@@ -112,6 +108,16 @@ class _CheckpointHooks:
             self._pending_rng = None
 
 
+def _ends_fit(trainer: Any) -> bool:
+    """Whether the batch that just ended is the fit's last: ``max_steps`` reached, or the
+    last batch of the last epoch (an early stop is decided later, in validation)."""
+    if 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    epochs = trainer.max_epochs
+    last_epoch = epochs is not None and epochs >= 0 and trainer.current_epoch + 1 >= epochs
+    return last_epoch and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
 def resumable_batch_sizes(loaders: Any) -> Any:
     """The batch size of each train loader that resumes mid-epoch (has ``load_state_dict``),
     in the shape Lightning holds them (one loader, or a list or dict of them); None when
@@ -144,8 +150,8 @@ def for_package(package: str = "pytorch_lightning") -> SimpleNamespace:
     callback = type(
         "InclusterCheckpoint",
         (_CheckpointHooks, pl.Callback),
-        {"__doc__": "Save through incluster after every ``every_n_steps``-th optimizer step and at the "
-                    "end of ``fit`` (``save_last=False``: not there)."},
+        {"__doc__": "Save through incluster after every ``every_n_steps``-th optimizer step and after the "
+                    "fit's last one (``max_steps`` or ``max_epochs``; ``save_last=False``: not there)."},
     )
     return SimpleNamespace(
         InclusterDDPStrategy=strategy("InclusterDDPStrategy", strategies.DDPStrategy, False),

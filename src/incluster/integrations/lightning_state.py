@@ -37,10 +37,29 @@ def to_state(checkpoint: Mapping[str, Any], model: Any, optimizers: Sequence[Any
     WARNING: ``checkpoint["state_dict"]``/``["optimizer_states"]`` are not stored; the live
     ``model``/``optimizers`` are (what those entries were made from), so edits an
     ``on_save_checkpoint`` hook makes to those two entries are not kept."""
-    state: dict[str, Any] = {MODEL: model, REST: {k: v for k, v in checkpoint.items() if k not in LIVE_KEYS}}
+    rest = {k: v for k, v in checkpoint.items() if k not in LIVE_KEYS}
+    state: dict[str, Any] = {MODEL: model, REST: _without_finished_loaders(rest)}
     for i, opt in enumerate(optimizers):
         state[optimizer_key(i)] = opt
     return state
+
+
+def _without_finished_loaders(rest: dict[str, Any]) -> dict[str, Any]:
+    """``rest`` without the train loaders' states when the epoch's last batch was taken.
+
+    Lightning resumes such a checkpoint at the next epoch, and a resumable loader (a
+    ``StatefulDataLoader``) restored as "epoch done" then yields nothing for that epoch:
+    the resume would go on in the epoch after it. Without a state, the loader starts the
+    next epoch afresh, as the uninterrupted run's did."""
+    loops = rest.get("loops")
+    if not isinstance(loops, dict) or not isinstance(fit := loops.get("fit_loop"), dict):
+        return rest
+    progress, inner = fit.get("epoch_loop.batch_progress"), fit.get("state_dict")
+    if not (isinstance(progress, dict) and progress.get("is_last_batch") and isinstance(inner, dict)
+            and "combined_loader" in inner):
+        return rest
+    inner = {k: v for k, v in inner.items() if k != "combined_loader"}
+    return {**rest, "loops": {**loops, "fit_loop": {**fit, "state_dict": inner}}}
 
 
 def template(model: Any, optimizers: Sequence[Any]) -> dict[str, Any]:

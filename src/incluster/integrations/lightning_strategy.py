@@ -91,11 +91,17 @@ class InclusterStrategyMixin:
         A resumable loader (one with ``state_dict``/``load_state_dict``) fast-forwards its
         sampler when Lightning first iterates it, which Lightning does before it calls
         ``set_epoch``: a shuffling sampler would skip ahead in epoch 0's order, not the
-        restored epoch's. Lightning sets the same value a moment later."""
+        restored epoch's. Lightning sets the same value a moment later. A step saved on an
+        epoch's last batch resumes in the next epoch (its loader starts afresh there), which
+        Lightning counts only after it made the loader's iterator."""
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
         if trainer is not None:
-            epoch = trainer.fit_loop.epoch_progress.current.processed
+            epochs = trainer.fit_loop.epoch_progress.current
+            training = getattr(trainer.state.stage, "value", None) == "train"  # not a validation loader
+            finished = (training and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+                        and epochs.processed < epochs.started)
+            epoch = epochs.processed + 1 if finished else epochs.processed
             batch_sampler = getattr(dataloader, "batch_sampler", None)
             for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
                 set_epoch = getattr(sampler, "set_epoch", None)
