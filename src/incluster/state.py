@@ -234,9 +234,11 @@ def _capture(
         sd = _pinned(obj.state_dict(keep_vars=True)) if keep else _initialized(obj.state_dict())
         buffers: dict[ViewKey, torch.Tensor] = {}
         if bufs:
-            saved = {view_key(v) for v in sd.values() if isinstance(v, torch.Tensor)}
             # Only buffers the state dict holds: non-persistent ones are not saved, so not copied
             # (a non-persistent view of a saved buffer shares its pointer, not its view key).
+            # Pointers first: a view key costs ~6 us, and a state dict holds thousands of tensors.
+            ptrs = {b.data_ptr() for b in bufs if b.numel() > 0}
+            saved = {view_key(v) for v in sd.values() if isinstance(v, torch.Tensor) and v.data_ptr() in ptrs}
             for b in bufs:
                 if b.numel() > 0 and (key := view_key(b)) in saved:
                     buffers[key] = b.clone()
