@@ -102,6 +102,11 @@ class _Loader:
                     f"{path}: the checkpoint holds shape {tuple(src.shape)} but the live tensor is "
                     f"{tuple(live.shape)}; build the model with the same configuration before loading"
                 )
+            if live.dtype != src.dtype:  # copy_ would cast: int64 -> int32 wraps, fp32 -> bf16 rounds
+                raise CheckpointError(
+                    f"{path}: the checkpoint holds {src.dtype} values but the live tensor is {live.dtype}; "
+                    f"load into a model of the saved dtype (cast it after load() if you want {live.dtype})"
+                )
             live.copy_(src)
             return live
         return src.clone()

@@ -52,6 +52,9 @@ from incluster.tiers.local import open_shard, rank_folder
 
 log = logging.getLogger("incluster")
 MAX_ROUNDS = 6
+# A load that fails for a reason of the live state, not of the copy (shape, dtype, keys, a
+# load_state_dict that refuses): no other copy helps, so every rank stops together.
+_CANNOT_LOAD = (CheckpointError, RuntimeError, ValueError, TypeError, KeyError, IndexError)
 
 
 @dataclass
@@ -138,6 +141,7 @@ class _Run:
         self.exclude: set[tuple[str, int, int]] = set()  # rank 0: bad copies
         self.origin: dict[tuple[str, int, int], str] = {}  # rank 0: rebuilt copy -> node of its sidecar
         self.received: Any = None  # a verified copy received from a peer, not yet healed
+        self.problem: CheckpointError | None = None  # this rank cannot load the step: every rank stops
 
     def go(self) -> None:
         ctx, report = self.ctx, self.report
@@ -185,11 +189,11 @@ class _Run:
                 ctx.ring.set_global(mine.step)
                 return
             if mine.persistent is not None:
-                problem = None if self.loaded == mine.step else download(ctx, mine.step, mine.persistent)
+                problem = None if self.loaded == mine.step else self._download(mine)
                 if problem is not None:
                     log.warning("incluster: %s; the persistent step is set aside", problem)
                     report.notes.append(problem)
-                elif self.loaded != mine.step:
+                elif self.loaded != mine.step and self.problem is None:
                     found = self._load_local(mine)
                     if any(b[0] == MESH for b in found):  # the next plan reshards the same step
                         if self._collect(found):
@@ -207,7 +211,7 @@ class _Run:
                     o.reader.close()
                 continue
             bad, healed = self._transfer(mine, outgoing), []
-            if mine.source is not None and self.loaded == mine.step and (self.received is None or self.received.can_heal):
+            if mine.source is not None and self.loaded == mine.step and self.received is not None and self.received.can_heal:
                 healed = [(ctx.node, ctx.rank, mine.step, report.bytes)]
             elif mine.source is None and self.loaded != mine.step:
                 bad += self._load_local(mine)
@@ -227,7 +231,9 @@ class _Run:
         if step is None:  # the plan always names a step here
             raise CheckpointError("restore reached a transfer without a chosen step; please report this")
         problem, received = None, None
-        wanted = mine.source is not None and self.loaded != step
+        # Receive whenever the plan names a source, also a step already loaded: its sender
+        # sends (the plan gives a source only to a rank whose node has no copy of it yet).
+        wanted = mine.source is not None
         try:
             faults.check("load-transfer", ctx.rank, step)
             if _dist() is not None:
@@ -261,6 +267,10 @@ class _Run:
                 self.dirty, self.loaded = True, None
                 self.report.notes.append(f"copy from rank {mine.source} rejected: {exc}")
                 return [(str(mine.source_node), ctx.rank, step)]
+            except _CANNOT_LOAD as exc:  # the live state cannot take it: every rank stops
+                self.received = None
+                received.abandon()
+                self._cannot_load(step, exc, landed=True)
         return []
 
     def _heal_now(self) -> None:
@@ -308,7 +318,29 @@ class _Run:
             uncommit(ctx.local_dir, ctx.job, ctx.rank, step)  # the record is set aside, not lost
             ctx.ring.discard(step)  # my own slot: the ring must forget it too
             return [(ctx.node, ctx.rank, step)]
+        except _CANNOT_LOAD as exc:  # not the copy: the live state cannot take it (every rank stops)
+            self._cannot_load(step, exc, landed=landing is not None)
         return []
+
+    def _download(self, mine: RankPlan) -> str | None:
+        """The persistent copy into this node's RAM; a problem with that copy (returned) sets
+        it aside on every rank. No room for it here stops every rank (``_collect``)."""
+        try:
+            return download(self.ctx, mine.step, mine.persistent)  # type: ignore[arg-type]
+        except TierUnavailableError:
+            raise
+        except CheckpointError as exc:  # a full RAM disk: no slot to land the copy in
+            self._cannot_load(mine.step, exc, landed=False)  # type: ignore[arg-type]
+            return None
+
+    def _cannot_load(self, step: int, exc: BaseException, *, landed: bool) -> None:
+        """This rank cannot load ``step`` for a reason no other copy fixes (the live state does
+        not match it, no room for it): remembered, and every rank stops at the next count."""
+        if landed:
+            self.dirty, self.loaded = True, None
+        what = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        self.problem = CheckpointError(f"rank {self.ctx.rank} cannot load step {step}: {what}")
+        self.problem.__cause__ = exc
 
     def _apply(self, step: int, sc: Any, landing: Landing) -> None:
         """Every byte is verified and in place: finish the load (scratch copies, containers,
@@ -326,14 +358,25 @@ class _Run:
         ctx = self.ctx
         dist = _dist()
         if dist is None:
+            if self.problem is not None:
+                raise self.problem
             self.exclude.update(bad)
             for h in healed:
                 self.extra.append((h[0], [tuple(h[1:6])]))
             return bool(bad) or every
         if not every:
-            count = torch.tensor([len(bad)], dtype=torch.int64, device=device_for_collectives())
+            count = torch.tensor([len(bad), int(self.problem is not None)], dtype=torch.int64,
+                                 device=device_for_collectives())
             dist.all_reduce(count)
-            if int(count.item()) == 0:
+            n_bad, n_problems = (int(x) for x in count.cpu())
+            if self.problem is not None:
+                raise self.problem
+            if n_problems:
+                raise CheckpointError(
+                    f"{n_problems} other rank(s) cannot load the step chosen (see their errors: a live state "
+                    f"unlike the saved one, or no room in the RAM disk); no rank resumes. This rank's live state "
+                    f"may already hold that step's values")
+            if n_bad == 0:
                 return False
         got = gather_to_zero((bad, list(healed)), ctx.rank, ctx.world_size)
         for _, hs in got or ():
