@@ -86,6 +86,10 @@ class Config:
                 f"keep must be an integer >= 2 (got {self.keep!r}): one slot always holds the newest "
                 f"complete step, so a save needs at least one more"
             )
+        for name in ("slot_timeout_s", "persistent_interval_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__} {value!r}")
         if not self.slot_timeout_s > 0:
             raise ValueError(f"slot_timeout_s must be > 0 (got {self.slot_timeout_s!r})")
         if not isinstance(self.persistent_every, int) or self.persistent_every < 1:
@@ -236,5 +240,15 @@ def _persistent_url(value: Any) -> Any:
         return value
     if not value:
         return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"persistent must be a path, a URL (s3://bucket/prefix) or an incluster Tier, not "
+            f"{type(value).__name__} {value!r}"
+        )
     text = os.fspath(value)
+    if not isinstance(text, str):
+        raise TypeError(f"persistent must be a str path or URL, not {type(text).__name__} {text!r}")
+    from incluster.tiers.persistent import check_url
+
+    check_url(text)  # a one-slash URL or an unknown protocol: refused here, not written to ./s3:/...
     return text if "://" in text else os.path.abspath(text)

@@ -403,6 +403,21 @@ def test_a_misspelt_or_mistyped_option_is_refused_naming_the_fix(local_dir):
         incluster.Checkpointer(local_dir=123)
     with pytest.raises(ValueError, match="local_dir is an empty path"):  # not a silent default
         incluster.Checkpointer(local_dir="")
+    with pytest.raises(TypeError, match=r"slot_timeout_s must be a number of seconds, not str '3'"):
+        incluster.Checkpointer(local_dir=local_dir, slot_timeout_s="3")
+    with pytest.raises(TypeError, match=r"persistent must be a path, a URL \(s3://bucket/prefix\) or an incluster Tier, not int 5"):
+        incluster.Checkpointer(local_dir=local_dir, persistent=5)
+
+
+def test_a_mistyped_persistent_url_is_refused_not_written_to_a_local_folder(local_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(incluster.CheckpointError, match=r"'s3:/bkt/x': s3:/ has one slash.*write s3://bkt/x"):
+        incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread", persistent="s3:/bkt/x")
+    with pytest.raises(incluster.CheckpointError, match=r"fsspec knows no protocol 'S3'; write s3://"):
+        incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread", persistent="S3://bkt/x")
+    with pytest.raises(incluster.CheckpointError, match=r"fsspec knows no protocol 'foo'"):
+        incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread", persistent="foo://bkt/x")
+    assert not list(tmp_path.iterdir())  # nothing written under the working directory
 
 
 def test_a_local_dir_that_cannot_hold_folders_names_the_option_and_the_fix(local_dir, tmp_path):

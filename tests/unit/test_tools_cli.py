@@ -394,3 +394,10 @@ def test_ls_into_a_pipe_keeps_every_row_whole(local_dir: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert any(line.split()[:2] == [job, "7"] and line.rstrip().endswith("complete")
                for line in out.stdout.splitlines()), out.stdout
+
+
+def test_a_url_with_an_unknown_protocol_is_an_error_naming_it_not_a_traceback(capsys: Any) -> None:
+    for cmd in ("ls", "verify"):
+        for url, says in (("foo://bar", "fsspec knows no protocol 'foo'"), ("S3://b/x", "write s3://")):
+            code, text = inproc(capsys, cmd, url)
+            assert code == 2 and says in text and "Traceback" not in text, (cmd, url, text)

@@ -23,6 +23,7 @@ import tempfile
 import time
 from typing import Any
 
+from incluster.demo import at_least
 from incluster.testing.launch import Job, launch
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_tiny_gpt.py")
@@ -30,19 +31,19 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_tiny_gp
 
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="simulated cluster: node failure, hot spare (or fewer ranks, resharded), recovery from peers")
-    p.add_argument("--nodes", type=int, default=4, help="nodes in the job (default 4), plus one hot spare per failure unless --no-spare")
+    p.add_argument("--nodes", type=at_least(2), default=4, help="nodes in the job (default 4), plus one hot spare per failure unless --no-spare")
     p.add_argument("--no-spare", action="store_true",
                    help="no hot spare: restart on the surviving nodes (fewer ranks), state resharded from their RAM")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
                    help="replicate the model (ddp) or shard it (fsdp, FSDP2); default: fsdp with --no-spare, else ddp")
-    p.add_argument("--ranks-per-node", type=int, default=1)
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--save-every", type=int, default=5)
-    p.add_argument("--persistent-every", type=int, default=4, help="every Nth checkpoint also goes to tier 2")
+    p.add_argument("--ranks-per-node", type=at_least(1), default=1)
+    p.add_argument("--steps", type=at_least(5), default=120)
+    p.add_argument("--save-every", type=at_least(1), default=5)
+    p.add_argument("--persistent-every", type=at_least(1), default=4, help="every Nth checkpoint also goes to tier 2")
     p.add_argument("--persistent-bandwidth", type=float, default=50.0, help="MB/s of the persistent tier in the what-if restore")
-    p.add_argument("--failures", type=int, default=1, help="node failures to inject (one after another)")
-    p.add_argument("--dim", type=int, default=128, help="model width (state grows with its square)")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--failures", type=at_least(1), default=1, help="node failures to inject (one after another)")
+    p.add_argument("--dim", type=at_least(8), default=128, help="model width (state grows with its square)")
+    p.add_argument("--layers", type=at_least(1), default=4)
     p.add_argument("--seed", type=int, default=None, help="fixes the failure step and node")
     p.add_argument("--timeline", default="incluster-demo-timeline.png", help="PNG timeline of the run")
     p.add_argument("--keep-files", action="store_true", help="leave the node folders for `incluster ls`")
@@ -82,6 +83,13 @@ def run(args: argparse.Namespace) -> int:
 
     con = Console()
     rng = random.Random(args.seed)
+    if args.steps < 2 * args.save_every + 3:  # a node is lost after the second save, then training goes on
+        con.print(f"[red]--steps must be at least 2 x --save-every + 3 ({2 * args.save_every + 3}): a node is lost "
+                  f"after two saves[/]")
+        return 2
+    if not args.persistent_bandwidth > 0:
+        con.print("[red]--persistent-bandwidth must be > 0 (MB/s)[/]")
+        return 2
     if args.no_spare and args.nodes - args.failures < 2:
         con.print(f"[red]--no-spare needs at least 2 nodes left after {args.failures} failure(s): use --nodes {args.failures + 2} or more[/]")
         return 2

@@ -15,15 +15,17 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from incluster.demo import at_least
+
 if TYPE_CHECKING:
     import torch
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("showcase", help="single-process save/restore tour with timings")
-    p.add_argument("--mib", type=int, default=256, help="approximate state size in MiB (default 256)")
-    p.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
-    p.add_argument("--every", type=int, default=3, help="save every N steps (default 3)")
+    p.add_argument("--mib", type=at_least(1), default=256, help="approximate state size in MiB (default 256)")
+    p.add_argument("--steps", type=at_least(1), default=12, help="training steps (default 12)")
+    p.add_argument("--every", type=at_least(1), default=3, help="save every N steps (default 3)")
     p.add_argument("--local-dir", default=None, help="RAM-disk folder (default: a temporary one in /dev/shm)")
     p.set_defaults(func=run)
 

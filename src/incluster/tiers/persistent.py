@@ -13,10 +13,11 @@ import ctypes
 import errno
 import os
 import posixpath
+import re
 import time
 from typing import Any
 
-from incluster.errors import TierUnavailableError
+from incluster.errors import CheckpointError, TierUnavailableError
 
 CHUNK = 16 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -36,6 +37,27 @@ def _page_aligned(view: memoryview) -> bool:
         return ctypes.addressof(ctypes.c_char.from_buffer(view)) % _PAGE == 0
     except (TypeError, ValueError):  # read-only or not a plain buffer: no O_DIRECT
         return False
+
+
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+
+
+def check_url(url: str) -> None:
+    """Refuse a persistent URL that is mistyped: one slash after the scheme (``s3:/b/x``
+    would be a local folder named ``s3:``), or a protocol fsspec does not know."""
+    import fsspec
+
+    if m := _ONE_SLASH.match(url):
+        raise CheckpointError(
+            f"persistent tier {url!r}: {m.group(1)}:/ has one slash, so it would be a local folder named "
+            f"'{m.group(1)}:'; write {m.group(1)}://{url[m.end():]}"
+        )
+    if "://" in url:
+        scheme = url.split("://", 1)[0]
+        known = set(fsspec.available_protocols())
+        if scheme not in known:
+            hint = f"write {scheme.lower()}://" if scheme.lower() in known else "use a path, or a URL such as s3://bucket/prefix"
+            raise CheckpointError(f"persistent tier {url!r}: fsspec knows no protocol {scheme!r}; {hint}")
 
 
 def open_tier(spec: Any, options: dict[str, Any] | None = None) -> Any:
@@ -70,6 +92,7 @@ class FsspecTier:
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         import fsspec
 
+        check_url(url)
         self.url = url
         opts = dict(options or {})
         # Not an fsspec option: caps this tier's throughput (bytes/s), e.g. to rehearse a
