@@ -164,7 +164,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._uploads: dict[int, tuple[Slot, SaveHandle]] = {}
         self._early_persisted: dict[int, str | None] = {}  # upload outcomes told before the commit was handled
         self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
-        self._store_server, address, targets, sources = wiring.start_store(self.config, self.rank, self.world_size)
+        self._store_server, address, targets, sources, node_folders = wiring.start_store(
+            self.config, self.rank, self.world_size)
         self._store_address = address
         self._loads = 0  # load() calls so far: the n-th of every rank meet (recovery/meet.py)
         self._loaded = False  # a load() returned: saves go on from the timeline it chose
@@ -183,6 +184,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             keep=self.config.keep,
             share_replicas=self.config.share_replicas,
             persist=wiring.persist_params(self.config, self.rank, self.world_size),
+            node_folders=node_folders,
         )
         self.replica_targets = targets
         self._stager.replica_slots = len(sources) * self.config.keep  # partners' shards held here

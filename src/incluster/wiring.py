@@ -22,10 +22,15 @@ from incluster.persist import PersistParams
 log = logging.getLogger("incluster")
 
 
-def start_store(config: Config, rank: int, world_size: int) -> tuple[object, StoreAddress | None, tuple[int, ...], tuple[int, ...]]:
-    """(store server or None, its address, my replica targets, my replica sources)."""
+Started = tuple[object, StoreAddress | None, tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]
+
+
+def start_store(config: Config, rank: int, world_size: int) -> Started:
+    """(store server or None, its address, my replica targets, my replica sources, and - on
+    each node's lowest rank - the ranks whose folders belong on this node: its ranks' own
+    and the replicas they keep; ``writer/sweep.py`` removes the others)."""
     if world_size == 1:
-        return None, None, (), ()
+        return None, None, (), (), (0,)
     from incluster.topology import Topology, replica_targets
 
     from incluster.recovery.gather import gather_to_zero, scatter_from_zero
@@ -47,10 +52,15 @@ def start_store(config: Config, rank: int, world_size: int) -> tuple[object, Sto
         for r, ts in targets.items():
             for t in ts:
                 sources[t].append(r)
-        plans = [[dataclasses.asdict(address), list(targets[r]), sorted(sources[r])] for r in range(world_size)]
+        kept: dict[int, list[int] | None] = {r: None for r in range(world_size)}
+        for node in topo.nodes:
+            on = topo.ranks_on(node)
+            kept[min(on)] = sorted({*on, *(s for r in on for s in sources[r])})
+        plans = [[dataclasses.asdict(address), list(targets[r]), sorted(sources[r]), kept[r]] for r in range(world_size)]
     mine = scatter_from_zero(plans, rank, world_size)  # JSON, never pickle
     address = StoreAddress(**mine[0])
-    return server, address, tuple(int(t) for t in mine[1]), tuple(int(s) for s in mine[2])
+    kept_here = None if mine[3] is None else tuple(int(r) for r in mine[3])
+    return server, address, tuple(int(t) for t in mine[1]), tuple(int(s) for s in mine[2]), kept_here
 
 
 def release_store(server: Any, address: StoreAddress | None, config: Config, rank: int, world_size: int) -> None:

@@ -59,3 +59,4 @@ class WriterParams:
     share_replicas: bool = True  # a partner's identical shard here is kept as a sidecar only
     persist: PersistParams | None = None
     incarnation: int = 0  # 0: the rank's first writer; n: started again after n deaths
+    node_folders: tuple[int, ...] | None = None  # the node's lowest rank: the ranks whose folders belong here

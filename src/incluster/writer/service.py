@@ -48,6 +48,7 @@ class CommitService:
         self._maps: dict[str, tuple[int, int, int, mmap.mmap]] = {}  # slot key -> (ino, size, fd, map)
         self._maps_lock = threading.Lock()
         self.on_unmap: Callable[[mmap.mmap], None] | None = None  # before a mapping is closed
+        self._outcomes: list[int] = []  # the first durable steps this writer saw
         self.uploader = None
         if params.persist is not None:
             from incluster.persist import Uploader
@@ -172,6 +173,14 @@ class CommitService:
     def on_outcome(self, step: int) -> None:
         if self.replicator is not None:
             self.replicator.set_global(step)
+        self._outcomes.append(step)
+        if self.params.node_folders is not None and len(self._outcomes) == 2:  # once: see writer/sweep.py
+            from incluster.writer.sweep import sweep_orphans
+
+            try:
+                sweep_orphans(self.params.local_dir, self.params.job, self.params.node_folders, self._outcomes[0])
+            except OSError as exc:  # never a save's failure
+                log.warning("incluster: could not remove old copies of other ranks from this node: %s", exc)
 
     def on_failed(self, step: int) -> None:
         """``step`` failed on some rank: the replicas of it held here are garbage; their
