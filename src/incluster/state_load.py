@@ -23,6 +23,9 @@ log = logging.getLogger("incluster")
 _SAID_LEFT_OUT: set[tuple[Any, ...]] = set()  # each set of parts left out is said once per process
 
 Fetch = Callable[[str], torch.Tensor]
+# A load that fails for a reason of the live state, not of the copy (shape, dtype, keys, a
+# load_state_dict that refuses): no other copy helps, so a restore stops every rank together.
+CANNOT_LOAD = (CheckpointError, RuntimeError, ValueError, TypeError, KeyError, IndexError)
 
 
 class _Loader:

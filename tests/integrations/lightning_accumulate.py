@@ -12,6 +12,8 @@
   trains, into the next epoch.
 - A StatefulDataLoader saved on an epoch's last batch: the resume trains the next epoch's
   first batches, not the epoch after it.
+- A loader made again each epoch with a larger batch size: a mid-epoch resume with that
+  size is not refused (the size saved is the one in use at the save).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from incluster.integrations.lightning import INCLUSTER, InclusterCheckpoint, Inc
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self, batch_size: int = 4, stateful: bool = False) -> None:
+    def __init__(self, batch_size: int = 4, stateful: bool = False, grow: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Linear(4, 1)
-        self.batch_size, self.stateful = batch_size, stateful
+        self.batch_size, self.stateful, self.grow = batch_size, stateful, grow
         self.seen: list[list[float]] = []  # (epoch, sum of the batch's inputs) of every batch trained
 
     def on_train_batch_start(self, batch: list[torch.Tensor], batch_idx: int) -> None:
@@ -51,7 +53,8 @@ class Tiny(pl.LightningModule):
         if self.stateful:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
-            return StatefulDataLoader(data, batch_size=self.batch_size)
+            size = self.batch_size * 2 if self.grow and self.current_epoch > 0 else self.batch_size
+            return StatefulDataLoader(data, batch_size=size)
         return DataLoader(data, batch_size=self.batch_size)
 
 
@@ -60,6 +63,7 @@ def fit(max_steps: int, ckpt_path: str | None, job: str = "accumulate", every: i
     strategy = InclusterDDPStrategy(checkpointer=dict(job=job, writer="thread"))
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=2,
+        reload_dataloaders_every_n_epochs=1 if data.get("grow") else 0,
         callbacks=[InclusterCheckpoint(every_n_steps=every, save_last=save_last)], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
@@ -81,6 +85,10 @@ def main() -> None:
     res["bs_same"] = fit(10, INCLUSTER, "batch", stateful=True)
     res["epoch_end"] = fit(9, None, "epoch-end", every=4, save_last=False, stateful=True)  # 8: the last batch
     res["epoch_end_resumed"] = fit(10, INCLUSTER, "epoch-end", stateful=True)
+    # batches of 4 in epoch 0 (8 steps), of 8 from epoch 1 on (a loader made again each
+    # epoch): step 9 is saved 2 batches into epoch 1, with batches of 8
+    res["grow_first"] = fit(9, None, "grow", stateful=True, grow=True)
+    res["grow_resumed"] = fit(11, INCLUSTER, "grow", stateful=True, grow=True)
     with open(sys.argv[1], "w") as f:
         json.dump(res, f)
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort it

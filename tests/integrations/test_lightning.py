@@ -120,3 +120,4 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
     # saved on epoch 0's last batch: the resume trains epoch 1's first batches, not epoch 2's
     assert steps["epoch_end"] == [9, None] and steps["epoch_end_resumed"] == [10, 8], steps
     assert res["epoch_end_resumed"][2] == ref[16:], res["epoch_end_resumed"][2]
+    assert steps["grow_first"] == [9, None] and steps["grow_resumed"] == [11, 9], res["grow_resumed"]

@@ -5,7 +5,9 @@
 PHASE "save" saves step 2 (and waits until it is persisted when TIER is given); "load"
 restores it and writes OUT_DIR/result-load-r<rank>.json: the step loaded and whether it is
 bitwise the saved state, or the error and how long load() took. CASE "shape": rank 1's
-live state has another shape. Rank 1 stays alive KEEP seconds after its load()."""
+live state has another shape; "object": the state also holds an object whose
+``load_state_dict`` refuses on the last rank (a restore into more ranks: resharded). Rank 1
+stays alive KEEP seconds after its load()."""
 
 from __future__ import annotations
 
@@ -21,6 +23,21 @@ import torch.distributed as dist
 import incluster
 
 
+class Counter:
+    """A Stateful object; on the last rank of a load it refuses what it is given."""
+
+    def __init__(self, refuse: bool) -> None:
+        self.n, self.refuse = 3, refuse
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        if self.refuse:
+            raise ValueError("this counter takes no saved value")
+        self.n = sd["n"]
+
+
 def main() -> int:
     out_dir, phase, case = sys.argv[1:4]
     tier = sys.argv[4] if len(sys.argv) > 4 else None
@@ -31,13 +48,16 @@ def main() -> int:
     res: dict[str, object] = {}
     try:
         if phase == "save":
-            h = ck.save(2, {"w": want.clone()})
+            h = ck.save(2, {"w": want.clone(), "c": Counter(False)} if case == "object" else {"w": want.clone()})
             h.wait(60)
             if tier is not None:
                 assert h.persisted.result(60)
             return 0
         size = want.numel() + 1 if case == "shape" and rank == 1 else want.numel()
-        state = {"w": torch.zeros(size)}
+        state: dict[str, object] = {"w": torch.zeros(size)}
+        if case == "object":  # more ranks than saved: each takes its own old rank's values (rank % old world)
+            state = {"w": torch.zeros(size), "c": Counter(rank == dist.get_world_size() - 1)}
+            want = torch.arange(50_000, dtype=torch.float32) * (rank % 2 + 1)
         t0 = time.monotonic()
         try:
             res["loaded"] = ck.load(state)

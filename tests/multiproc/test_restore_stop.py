@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiproc
 SCRIPT = os.path.join(os.path.dirname(__file__), "restore_stop_script.py")
 
 
-def _run(local_dir, nodes, case, *extra, env=None):
+def _run(local_dir, nodes, case, *extra):
     out = os.path.join(local_dir, "out")
     os.makedirs(out, exist_ok=True)
     job = launch([SCRIPT, out, "save", case, *extra], nodes=nodes, ranks_per_node=1, base_dir=local_dir)
@@ -71,3 +71,13 @@ def test_a_rank_that_could_not_heal_its_copy_receives_again_in_the_next_round(lo
     full = FaultInjector().fail_at(phase="allocate", rank=2, step=2, action="enospc").env()
     res = _load(local_dir, out, nodes, "-", env=full)
     assert all(r.get("loaded") == 2 and r.get("equal") for r in res), res
+
+
+@pytest.mark.timeout(300)
+def test_a_resharded_restore_one_rank_cannot_finish_stops_every_rank(local_dir):
+    """Saved by 2 ranks, restored into 3: rank 2's object refuses its values after the
+    pieces moved; ranks 0 and 1 must not return the step while rank 2 raises."""
+    out = _run(local_dir, ["n0", "n1"], "object")
+    res = _load(local_dir, out, ["n0", "n1", "n2"], "object", env={})
+    assert "this counter takes no saved value" in res[2]["error"], res
+    assert all("another rank cannot restore step 2" in r.get("error", "") for r in res[:2]), res

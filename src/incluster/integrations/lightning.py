@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -56,11 +57,12 @@ class _CheckpointHooks:
         self.save_last = save_last
         self._last_saved = -1
         self._pending_rng: dict[str, Any] | None = None
-        self._batch_size: Any = None  # the resumable train loaders' batch sizes, as saved
-        self._saved_batch_size: Any = None
+        self._trainer: Any = None  # a weak reference, set in setup()
+        self._saved_batch_size: Any = None  # the resumable train loaders' batch sizes, as saved
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         require_strategy(trainer.strategy, _NAMES)
+        self._trainer = weakref.ref(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Right after the optimizer step (global_step just advanced): the same point at which
@@ -77,8 +79,11 @@ class _CheckpointHooks:
         # Lightning's own checkpoint keeps no RNG state (and its file holds rank 0's only);
         # each incluster shard is one rank's, so each rank gets its own generators back.
         state: dict[str, Any] = {"rng": RngState().state_dict()} if self.rng else {}
-        if self._batch_size is not None:
-            state["batch_size"] = self._batch_size
+        trainer = self._trainer() if self._trainer is not None else None
+        # the loader in use now: one made again each epoch may have another batch size
+        sizes = resumable_batch_sizes(trainer.train_dataloader) if trainer is not None else None
+        if sizes is not None:
+            state["batch_size"] = sizes
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -89,14 +94,14 @@ class _CheckpointHooks:
         # A resumed run's first batches may not step (gradient accumulation): the restored
         # step is saved already and must not be saved again.
         self._last_saved = trainer.global_step
-        self._batch_size = resumable_batch_sizes(trainer.train_dataloader)
+        now = resumable_batch_sizes(trainer.train_dataloader)
         saved, self._saved_batch_size = self._saved_batch_size, None
-        if saved is not None and self._batch_size is not None and saved != self._batch_size:
+        if saved is not None and now is not None and saved != now:
             progress = trainer.fit_loop.epoch_loop.batch_progress
             if progress.current.ready > 0 and not progress.is_last_batch:  # resumes mid-epoch
                 raise CheckpointError(
                     f"the restored step {trainer.global_step} was saved {progress.current.ready} batches into "
-                    f"an epoch with train batch size {saved}, but the train loader now has {self._batch_size}: "
+                    f"an epoch with train batch size {saved}, but the train loader now has {now}: "
                     f"its restored position would skip samples the run never trained on. Resume with batch "
                     f"size {saved}, and change it at an epoch boundary (a loader made again each epoch: "
                     f"Trainer(reload_dataloaders_every_n_epochs=1))"

@@ -136,6 +136,18 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: 
     return None
 
 
+def _tier_read(ctx: Any, path: str, where: str, **kw: Any) -> Any:
+    """A read from tier 2. A file not there is the copy's problem (returned as such); any
+    other failure, after the tier's own retries, is the tier's: ``TierUnavailableError``,
+    never a copy set aside as bad (which could end in "delete the tier to start afresh")."""
+    try:
+        return ctx.persistent.read(path, **kw)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise TierUnavailableError(f"{where}: reading it from the persistent tier failed ({exc})") from exc
+
+
 def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[type-arg]
     """Fetch my shard of ``step`` from tier 2 into one of my slots, verify, commit (heal)."""
     from incluster.format.checksum import Checksum
@@ -147,7 +159,7 @@ def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[t
     try:
         expect = Checksum.from_json(record["checksum"], where)
         sc = parse_received_sidecar(
-            ctx.persistent.read(base + ".json"), where, rank=ctx.rank, step=step, job=ctx.job, size=int(record["size"])
+            _tier_read(ctx, base + ".json", where), where, rank=ctx.rank, step=step, job=ctx.job, size=int(record["size"])
         )
         if sc.checksum != expect:
             return f"{where}: sidecar and manifest disagree"
@@ -159,7 +171,7 @@ def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[t
         try:
             ctx.ring.prepare(slot, expect.size)
             into = memoryview(slot.mm) if slot.mm is not None else memoryview(bytearray())
-            got = ctx.persistent.read(base + ".safetensors", into=into)
+            got = _tier_read(ctx, base + ".safetensors", where, into=into)
             if got != expect.size:
                 raise CorruptCheckpointError(f"{where}: {got} bytes downloaded, the manifest says {expect.size}")
             commit_received(ctx.ring, slot, sc, where, node=ctx.node, restored_from="persistent")

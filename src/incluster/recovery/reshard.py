@@ -45,7 +45,7 @@ from incluster.recovery import wire as wires
 from incluster.recovery.reshard_shard import (
     Live, Shard, byte_span, check_boxes, check_rest, live_layout, open_served, rewritten, shard_of, verify_spans, view_of,
 )
-from incluster.state_load import load_into
+from incluster.state_load import CANNOT_LOAD, load_into
 from incluster.writer.local_commit import parse_received_sidecar
 
 log = logging.getLogger("incluster")
@@ -85,9 +85,14 @@ class Reshard:
             self._stop_together(problem, d)
             assert src is not None and live is not None
             self.dirty = True
-            moved = self._move(src, live, pieces)
-            load_into(self.state, self._tree, self._fetch, allow_pickle=self.ctx.allow_pickle,
-                      placed=self._placed)
+            moved = 0
+            try:
+                moved = self._move(src, live, pieces)
+                load_into(self.state, self._tree, self._fetch, allow_pickle=self.ctx.allow_pickle,
+                          placed=self._placed)
+            except CANNOT_LOAD as exc:  # after the last round: never a rank returning while another raises
+                problem = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+            self._stop_together(problem)
         finally:
             for shard in self.served.values():
                 if shard.reader is not None:

@@ -46,15 +46,12 @@ from incluster.recovery.reshard import Reshard
 from incluster.recovery.reshard_shard import mesh_changed
 from incluster.recovery.transfer import Incoming, Outgoing, exchange
 from incluster.staging.slots import SlotRing
-from incluster.state_load import load_into
+from incluster.state_load import CANNOT_LOAD as _CANNOT_LOAD, load_into
 from incluster.testing import faults
 from incluster.tiers.local import open_shard, rank_folder
 
 log = logging.getLogger("incluster")
 MAX_ROUNDS = 6
-# A load that fails for a reason of the live state, not of the copy (shape, dtype, keys, a
-# load_state_dict that refuses): no other copy helps, so every rank stops together.
-_CANNOT_LOAD = (CheckpointError, RuntimeError, ValueError, TypeError, KeyError, IndexError)
 
 
 @dataclass
@@ -327,9 +324,7 @@ class _Run:
         it aside on every rank. No room for it here stops every rank (``_collect``)."""
         try:
             return download(self.ctx, mine.step, mine.persistent)  # type: ignore[arg-type]
-        except TierUnavailableError:
-            raise
-        except CheckpointError as exc:  # a full RAM disk: no slot to land the copy in
+        except CheckpointError as exc:  # no slot to land the copy in (a full RAM disk), or the tier failed
             self._cannot_load(mine.step, exc, landed=False)  # type: ignore[arg-type]
             return None
 
@@ -339,7 +334,8 @@ class _Run:
         if landed:
             self.dirty, self.loaded = True, None
         what = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-        self.problem = CheckpointError(f"rank {self.ctx.rank} cannot load step {step}: {what}")
+        kind = TierUnavailableError if isinstance(exc, TierUnavailableError) else CheckpointError
+        self.problem = kind(f"rank {self.ctx.rank} cannot load step {step}: {what}")
         self.problem.__cause__ = exc
 
     def _apply(self, step: int, sc: Any, landing: Landing) -> None:
