@@ -5,8 +5,8 @@
 - ``report``: a run folder's events, across restarts, become a ``GoodputReport``.
 - ``model`` (pure): expected badput of a configuration; Young, Daly and the exact model.
 - ``simulate``: a seeded Monte Carlo check of the model (numpy).
-- ``scenarios``: the talk's five configurations built from measured ``Costs``.
-- ``plot``: the talk's figure and a run's timeline (matplotlib, optional).
+- ``scenarios``: the goodput figure's five configurations built from measured ``Costs``.
+- ``plot``: the goodput figure and a run's timeline (matplotlib, optional).
 - ``cli``: ``incluster goodput report|plan|plot|timeline``.
 
 This package sits beside the checkpointer: it never imports it, and nothing here imports

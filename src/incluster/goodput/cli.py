@@ -20,7 +20,7 @@ from incluster.goodput.scenarios import CONFIGURATIONS, INCLUSTER, Costs
 
 
 def _costs_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("costs (defaults: DESIGN.md §1; see docs/goodput.md)")
+    g = p.add_argument_group("costs (defaults: measured medians; docs/goodput.md names the source of each)")
     g.add_argument("--costs", metavar="FILE", help="JSON object of cost name: number")
     for key in Costs.keys():
         g.add_argument(f"--{key.replace('_', '-')}", dest=f"cost_{key}", type=float,
@@ -182,7 +182,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    """Draw the talk's figure and print its numbers."""
+    """Draw the goodput figure and print its numbers."""
     from incluster.goodput.plot import plot_figure
 
     curves = plot_figure(args.output, _costs(args), state_gib=args.state_gib,
@@ -235,7 +235,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     _costs_flags(pl)
     pl.set_defaults(func=_guard(cmd_plan))
 
-    f = sub.add_parser("plot", help="the talk's figure: badput vs interruptions per day")
+    f = sub.add_parser("plot", help="the goodput figure: badput vs interruptions per day")
     f.add_argument("-o", "--output", required=True, metavar="PNG")
     f.add_argument("--linear", action="store_true", help="linear y axis (default log)")
     f.add_argument("--json", action="store_true", help="print the curves as JSON")

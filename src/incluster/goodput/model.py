@@ -1,6 +1,6 @@
 """The analytic badput model: what checkpointing costs a job, and the interval to use.
 
-Pure Python (no torch, no numpy): used by ``incluster goodput plan``, by the talk's figure
+Pure Python (no torch, no numpy): used by ``incluster goodput plan``, by the goodput figure
 (``goodput.plot``) and checked against the Monte Carlo simulator (``goodput.simulate``).
 The equations, their assumptions and a worked example are in ``docs/goodput.md``.
 

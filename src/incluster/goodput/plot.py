@@ -1,4 +1,4 @@
-"""Figures: the talk's badput-vs-interruptions figure, and a recorded run's timeline.
+"""Figures: the badput-vs-interruptions figure, and a recorded run's timeline.
 
 matplotlib is an optional extra (``pip install incluster[plot]``) and is imported only when
 a figure is drawn, with the Agg backend (files, no display). The numbers come from

@@ -1,7 +1,7 @@
-"""The five checkpointing configurations of the talk's figure, built from measured costs.
+"""The five checkpointing configurations of the goodput figure, built from measured costs.
 
 ``Costs`` holds per-GiB costs (seconds per GiB of state per rank) and a few assumptions;
-its defaults are the medians in DESIGN.md §1 (2 ranks on gloo, 1 GiB per rank, /dev/shm,
+its defaults are measured medians (docs/goodput.md names the source of each: 2 ranks on gloo, 1 GiB per rank, /dev/shm,
 torch 2.13 CPU, the project's 2-core CI machine). A benchmark (``bench/``) can write a
 JSON file with the same keys; ``Costs.from_json`` reads any subset of them.
 ``build`` turns costs, a state size and a failure rate into a ``model.ModelConfig``.
