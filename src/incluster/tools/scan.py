@@ -40,7 +40,8 @@ def scan(paths: list[str], persistent: list[str] | None = None, job: str | None 
             scan_persistent(p, inv)
             continue
         if not os.path.isdir(p):
-            raise CheckpointError(f"{p}: no such folder; name a node's RAM folder (e.g. /dev/shm/incluster) or a job folder")
+            what = "a file, not a folder" if os.path.exists(p) else "no such folder"
+            raise CheckpointError(f"{p}: {what}; name a node's RAM folder (e.g. /dev/shm/incluster) or a job folder")
         found = 0
         for kind, folder in _find(os.path.abspath(p)):
             found += 1
