@@ -170,3 +170,34 @@ def test_close_waits_until_a_decided_steps_outcome_was_told(two_ranks, tmp_path)
     assert up.wait_idle(10)
     assert told == [NOT_DUE]
     assert up.cancel() is None
+
+
+@pytest.mark.parametrize("verdict,discarded", [("ok", False), (None, False), ("fail:0:disk full", True)])
+def test_a_replication_that_breaks_keeps_the_replicas_unless_the_step_failed(tmp_path, verdict, discarded):
+    """Rank 0 returns from wait() on a durable step and ends, taking the job store along,
+    while rank 1's exchange of that step is still updating the store after counting its
+    replica: the exchange raises, but the step was durable (or, with the store gone, may
+    be), so the replica of rank 0's shard held here - maybe its only copy left - stays."""
+    from incluster.writer.protocol import WriterParams
+    from incluster.writer.service import CommitService
+
+    class Replicator:
+        dropped: list[int] = []
+
+        def exchange(self, step, own, coord):
+            raise RuntimeError("Connection reset by peer")
+
+        def discard(self, step):
+            self.dropped.append(step)
+
+    class Coord:
+        def failed(self, step, reason):
+            if verdict is None:
+                raise RuntimeError("Broken pipe")  # the store is gone
+            return verdict
+
+    service = CommitService(WriterParams(rank=1, gen=0, store=None, outcome_timeout_s=5, local_dir=str(tmp_path)))
+    service.replicator, service.coord = Replicator(), Coord()
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        service.replicate(3, object())
+    assert Replicator.dropped == ([3] if discarded else [])

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from incluster.commit import Coordinator, SoloCoordinator, StoreCoordinator
+from incluster.commit import Coordinator, Outcome, SoloCoordinator, StoreCoordinator
 from incluster.errors import CheckpointError
 from incluster.testing import faults
 from incluster.writer.local_commit import CommitRequest, commit_shard
@@ -115,8 +115,12 @@ class CommitService:
             faults.check("replicate", self.params.rank, step)
             self.replicator.exchange(step, own, self.coord)
         except BaseException as exc:
-            self.fail(step, f"replication: {type(exc).__name__}: {exc}")
-            self.on_failed(step)
+            # Only a step known to have failed loses the replicas held here: one already
+            # durable (this exchange broke after counting it, e.g. as rank 0's process ended
+            # and took the job store along) or whose outcome the lost store leaves unknown
+            # keeps them - they may be the only copies of a rank's shard after a node loss.
+            if self.fail(step, f"replication: {type(exc).__name__}: {exc}"):
+                self.on_failed(step)
             raise
         if own is None:  # this rank failed the step: it can never be complete anywhere
             self.on_failed(step)
@@ -188,13 +192,15 @@ class CommitService:
         if self.replicator is not None:
             self.replicator.discard(step)
 
-    def fail(self, step: int, reason: str) -> None:
+    def fail(self, step: int, reason: str) -> bool:
+        """Publish ``step``'s failure (first verdict wins); whether it is now known failed
+        (False: it was durable already, or the store is gone and nobody can tell)."""
         try:
             if self.uploader is not None:
                 self.uploader.failed_step(step)
-            self.coord.failed(step, reason)
+            return str(self.coord.failed(step, reason)).startswith(Outcome.FAILED.value)
         except Exception:  # noqa: BLE001 - the store may be gone; peers then time out instead
-            pass
+            return False
 
     def wait_outcome(self, step: int) -> None:
         faults.check("outcome", self.params.rank, step)
