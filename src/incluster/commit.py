@@ -188,13 +188,16 @@ class StoreCoordinator:
         except Exception as exc:  # DistStoreError on timeout, or the store went away
             if "timeout" not in str(exc).lower():
                 raise StoreLostError(f"lost the job store while waiting for step {step}: {exc}") from None
-            n = int(self.store.add(self._k("c", step), 0))
-            why = (f"step {step} was not committed by every rank within {timeout:.0f} s "
-                   f"({n} of {self.addr.quorum} copies committed)")
-            # Given up here, so failed for every rank: a late rank's commit must not make
-            # it durable elsewhere (its copy would be the newest step on some ranks only).
-            value = self.store.compare_set(
-                key, "", f"{Outcome.FAILED.value}:{self.rank}:{why} (timed out waiting)").decode()
+            try:
+                n = int(self.store.add(self._k("c", step), 0))
+                why = (f"step {step} was not committed by every rank within {timeout:.0f} s "
+                       f"({n} of {self.addr.quorum} copies committed)")
+                # Given up here, so failed for every rank: a late rank's commit must not make
+                # it durable elsewhere (its copy would be the newest step on some ranks only).
+                value = self.store.compare_set(
+                    key, "", f"{Outcome.FAILED.value}:{self.rank}:{why} (timed out waiting)").decode()
+            except Exception as lost:  # noqa: BLE001 - gone meanwhile: nobody can tell the outcome now
+                raise StoreLostError(f"lost the job store while deciding step {step} after a timeout: {lost}") from None
             if value.startswith(Outcome.FAILED.value) and not value.startswith(f"{Outcome.FAILED.value}:{self.rank}:"):
                 _raise_for(step, value)  # another rank's verdict came first: its reason
             if value != Outcome.COMMITTED.value:  # else the last commit came in just now

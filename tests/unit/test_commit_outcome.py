@@ -201,3 +201,26 @@ def test_a_replication_that_breaks_keeps_the_replicas_unless_the_step_failed(tmp
     with pytest.raises(RuntimeError, match="Connection reset"):
         service.replicate(3, object())
     assert Replicator.dropped == ([3] if discarded else [])
+
+
+def test_a_store_lost_while_deciding_a_timed_out_step_leaves_its_outcome_unknown():
+    """The wait for step 3 times out and the store goes away before this rank can publish
+    the step failed: the outcome is unknown (StoreLostError: the copies stay), not a
+    connection error the writer takes for a failed step (and drops its replicas for)."""
+    from incluster.commit import StoreAddress
+    from incluster.errors import StoreLostError
+
+    class Store:
+        def set_timeout(self, t):
+            pass
+
+        def get(self, key):
+            raise RuntimeError("Wait timeout after 0.1 s")
+
+        def add(self, key, n):
+            raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    coord = object.__new__(StoreCoordinator)
+    coord.addr, coord.rank, coord._p, coord.store = StoreAddress("h", 1, "j", 2, 2), 1, "incluster/j/", Store()
+    with pytest.raises(StoreLostError, match="while deciding step 3 after a timeout"):
+        coord.wait_outcome(3, 0.1)
