@@ -46,3 +46,14 @@ def assert_bitwise(model: torch.nn.Module, optim: torch.optim.Optimizer, ref: di
             got = osd["state"][pid][k]
             assert torch.equal(got, v) if torch.is_tensor(v) else got == v, f"optim state {pid}/{k} differs"
     assert osd["param_groups"] == ref["param_groups"]
+
+
+def flip_byte(path: str, at: int | None = None) -> None:
+    """Flip one bit of the byte at offset ``at`` (default: the middle) of a file."""
+    import os
+
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2 if at is None else at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))

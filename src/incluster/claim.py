@@ -42,7 +42,7 @@ os.register_at_fork(after_in_child=_forked)
 
 class Claim:
     def __init__(self, job_folder: str, job: str, rank: int, owner: Any = None) -> None:
-        self.path = os.path.realpath(os.path.join(job_folder, f"{_PREFIX}{rank:05d}"))
+        self.path = _path(job_folder, rank)
         self._fd: int | None = None
         where = f"job {job!r} rank {rank} is in use in {os.path.dirname(job_folder)} by "
         with _held_lock:
@@ -96,3 +96,26 @@ def _read(fd: int) -> str:
         return os.pread(fd, 512, 0).decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def _path(job_folder: str, rank: int) -> str:
+    return os.path.realpath(os.path.join(job_folder, f"{_PREFIX}{rank:05d}"))
+
+
+def claimed(job_folder: str, rank: int) -> bool:
+    """Whether a live process holds ``rank``'s claim on ``job_folder`` (this one included)."""
+    path = _path(job_folder, rank)
+    with _held_lock:
+        if path in _held:  # this very process: its record lock never conflicts with itself
+            return True
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False  # never claimed here
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EACCES, errno.EAGAIN)
+    finally:
+        os.close(fd)  # drops the probe's lock, if it got one (no other lock of this process is on it)
+    return False

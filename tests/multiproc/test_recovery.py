@@ -17,6 +17,7 @@ import time
 import pytest
 
 from incluster.testing import FaultInjector
+from helpers import flip_byte
 from test_multirank import _assert_restored, _run
 
 pytestmark = pytest.mark.multiproc
@@ -76,11 +77,7 @@ def test_spare_for_a_node_of_two_ranks(local_dir):
 def test_corrupt_byte_uses_the_replica_and_says_so(local_dir, saved4):
     first = _copy(saved4, local_dir)
     shard = os.path.join(local_dir, "C", "mp", "rank-00002", "step-000000000004.safetensors")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(shard)
     codes, second, job = _run(local_dir, 1, nodes=NODES, env=THREAD)
     assert codes == [0] * 4, [job.output(r) for r in range(4)]
     _assert_restored(second, first, 4)

@@ -13,6 +13,8 @@ import pytest
 from incluster.testing.faults import FaultInjector
 from incluster.testing.launch import launch
 
+from helpers import flip_byte
+
 pytestmark = pytest.mark.multiproc
 SCRIPT = os.path.join(os.path.dirname(__file__), "restore_stop_script.py")
 
@@ -63,11 +65,7 @@ def test_a_rank_that_could_not_heal_its_copy_receives_again_in_the_next_round(lo
     out = _run(local_dir, nodes, "-")
     shutil.rmtree(os.path.join(local_dir, "n2"))
     path = os.path.join(local_dir, "n0", "stop", "rank-00000", "step-000000000002.safetensors")
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(path)
     full = FaultInjector().fail_at(phase="allocate", rank=2, step=2, action="enospc").env()
     res = _load(local_dir, out, nodes, "-", env=full)
     assert all(r.get("loaded") == 2 and r.get("equal") for r in res), res

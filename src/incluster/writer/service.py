@@ -48,7 +48,7 @@ class CommitService:
         self._maps: dict[str, tuple[int, int, int, mmap.mmap]] = {}  # slot key -> (ino, size, fd, map)
         self._maps_lock = threading.Lock()
         self.on_unmap: Callable[[mmap.mmap], None] | None = None  # before a mapping is closed
-        self._outcomes: list[int] = []  # the first durable steps this writer saw
+        self._outcomes: list[int] = []  # the first two durable steps this writer saw
         self.uploader = None
         if params.persist is not None:
             from incluster.persist import Uploader
@@ -177,6 +177,8 @@ class CommitService:
     def on_outcome(self, step: int) -> None:
         if self.replicator is not None:
             self.replicator.set_global(step)
+        if len(self._outcomes) >= 2:
+            return
         self._outcomes.append(step)
         if self.params.node_folders is not None and len(self._outcomes) == 2:  # once: see writer/sweep.py
             from incluster.writer.sweep import sweep_orphans

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 
+from incluster.claim import claimed
 from incluster.staging.slots import STAGING_PREFIX
 
 log = logging.getLogger("incluster")
@@ -39,7 +40,7 @@ def sweep_orphans(local_dir: str, job: str, kept: tuple[int, ...], before: int) 
         if m is None or int(m.group(1)) in kept:
             continue
         folder = os.path.join(base, n)
-        if _claimed(base, int(m.group(1))):
+        if claimed(base, int(m.group(1))):
             continue  # that rank runs here after all (a RAM folder shared by several node names)
         try:
             files = os.listdir(folder)
@@ -66,25 +67,3 @@ def sweep_orphans(local_dir: str, job: str, kept: tuple[int, ...], before: int) 
                  "the current layout", removed, ranks, base)
     return removed
 
-
-def _claimed(base: str, rank: int) -> bool:
-    """Whether a live process holds ``rank``'s claim on this folder (claim.py)."""
-    import errno
-    import fcntl
-
-    from incluster import claim
-
-    path = os.path.realpath(os.path.join(base, f"{claim._PREFIX}{rank:05d}"))
-    if path in claim._held:  # this very process: its record lock never conflicts with itself
-        return True
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return False  # never claimed here
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in (errno.EACCES, errno.EAGAIN)
-    finally:
-        os.close(fd)  # drops the probe's lock, if it got one (no other lock of this process is on it)
-    return False
