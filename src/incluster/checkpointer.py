@@ -170,6 +170,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._loads = 0  # load() calls so far: the n-th of every rank meet (recovery/meet.py)
         self._loaded = False  # a load() returned: saves go on from the timeline it chose
         self._restored = -1  # the step the last load() restored (saves must be newer)
+        self._last_step = -1  # the step of the last save() call for a new step (writer/sequence.py)
         params = WriterParams(
             rank=self.rank,
             gen=next_generation(),
@@ -269,6 +270,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int (got {step!r})")
         ordinal, self._saves = self._saves, self._saves + 1  # counted even if it fails: alike on every rank
+        prev = self._last_step
         try:
             try:
                 self._check_usable(peers=False)  # an earlier background error of this rank surfaces here
@@ -286,10 +288,11 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 self._warn_unguarded(left)
             slot = self.ring.acquire(step, self.config.slot_timeout_s)
         except BaseException as exc:
-            self._refused(step, exc)
+            self._refused(step, exc, (prev, ordinal, self._loads))
             raise
         self._highest = max(self._highest, step)
-        job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal)
+        self._last_step = step
+        job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal, prev=prev, timeline=self._loads)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from incluster.staging import cuda
 
@@ -307,19 +310,28 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self.events.record(ev.SAVE, step=step, blocked_s=handle.blocked_s)
         return handle
 
-    def _refused(self, step: int, exc: BaseException) -> None:
-        """save(step) raised on this rank: publish the step as failed at once, so no
-        partner waits ``slot_timeout_s`` for a shard that will never come. Not for a step
-        that is not new here (a repeated or decreasing step must not un-commit the step
-        already saved under that number)."""
+    def _refused(self, step: int, exc: BaseException, seq: tuple[int, int, int]) -> None:
+        """save(step) raised on this rank: publish the step as failed, so no partner waits
+        ``slot_timeout_s`` for a shard that will never come. Not for a step that is not new
+        here (a repeated or decreasing step must not un-commit the step already saved under
+        that number). Sent behind the staging of the saves before it, so the writer hears
+        of the steps in the order save() was called (writer/sequence.py)."""
         if step <= self._highest:
             return
-        self._highest = step
+        self._highest = self._last_step = step
+        reason = f"save() raised on rank {self.rank}: {type(exc).__name__}: {exc}"
+
+        def publish() -> None:
+            try:
+                self._live_writer().fail(step, reason, seq)
+            except Exception as err:  # noqa: BLE001 - the caller gets the original error
+                log.warning("incluster: rank %d could not tell the other ranks that step %d failed: %s",
+                            self.rank, step, err)
+
         try:
-            self._live_writer().fail(step, f"save() raised on rank {self.rank}: {type(exc).__name__}: {exc}")
-        except Exception as err:  # noqa: BLE001 - the caller gets the original error
-            log.warning("incluster: rank %d could not tell the other ranks that step %d failed: %s",
-                        self.rank, step, err)
+            self._stage_pool.submit(publish)
+        except RuntimeError:  # shut down: nothing is staging
+            publish()
 
     def _warn_unguarded(self, left: list[torch.Tensor]) -> None:
         self._unguarded_warned = True

@@ -8,6 +8,9 @@ Writers connect as clients. For step N (keys under ``<job>/``):
 - ``o/N``  the outcome: the rank whose ``add`` completes the count sets ``ok``; a rank
   whose save of N failed sets ``fail:<rank>:<why>`` (the count can then never complete,
   so the two never race);
+- ``n/T/P`` the step saved after step P (and its number), set by the first rank there:
+  a rank that saved another step after P finds out at once (every rank must save the
+  same steps; writer/sequence.py);
 - ``latest`` the newest globally committed step, raised monotonically (compare-and-set).
 
 Every wait is bounded; a timeout names how many ranks had committed. The protocol state
@@ -56,6 +59,10 @@ class Coordinator(Protocol):
     def wait_outcome(self, step: int, timeout: float) -> None:
         """Return once ``step`` is globally committed; CommitError/PeerTimeoutError else."""
 
+    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
+        """Record ``step`` (numbered ``number``) as the save after ``prev`` unless a rank
+        did first; returns the step and number recorded (see writer/sequence.py)."""
+
     def persisted(self, step: int, info: str) -> bool:
         """Record this rank's upload of ``step`` (``info``: its size and checksum, JSON);
         True for the rank that completes the count: it writes the manifest."""
@@ -89,6 +96,9 @@ class SoloCoordinator:
 
     def wait_outcome(self, step: int, timeout: float) -> None:
         _raise_for(step, self._outcomes.get(step, Outcome.COMMITTED.value))
+
+    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
+        return step, number
 
     def persisted(self, step: int, info: str) -> bool:
         self._infos = {step: info}
@@ -167,6 +177,11 @@ class StoreCoordinator:
     def failed(self, step: int, reason: str) -> str:
         value = f"{Outcome.FAILED.value}:{self.rank}:{reason.replace(chr(10), ' ')[:500]}"
         return self.store.compare_set(self._k("o", step), "", value).decode()
+
+    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
+        got = self.store.compare_set(f"{self._p}n/{timeline}/{prev}", "", f"{step}:{number}").decode()
+        won, _, n = got.partition(":")
+        return int(won), int(n) if n else number
 
     def settle(self, step: int, reason: str) -> str:
         """A writer died with ``step`` in flight: decide the step for every rank, once.

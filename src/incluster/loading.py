@@ -51,6 +51,8 @@ class LoadPipeline:
     _errors: list[Any]
     _store_address: Any
     _loads: int
+    _last_step: int
+    _saves: int
     # the Checkpointer's own (and SavePipeline's) methods this half calls
     wait: Callable[..., None]
     _check_usable: Callable[[], None]
@@ -65,6 +67,8 @@ class LoadPipeline:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
         self._loads += 1  # first: every rank's n-th call is the same call, whatever fails below
+        # the saves after it are a new sequence (writer/sequence.py), numbered from 0 again
+        self._last_step, self._saves = -1, 0
         with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
             step = self._load(state)
         self._loaded = True

@@ -156,8 +156,9 @@ class Uploader:
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
-        ``ordinal`` counts the trainer's save() calls, not this writer's commits: a rank
-        whose commit failed, or whose writer was started again, still agrees. With
+        ``ordinal`` is the save's place in the job's sequence of saves, not a count of this
+        writer's commits: a rank whose commit failed, whose writer was started again, or
+        that skipped a save the others made (writer/sequence.py) still agrees. With
         ``interval_s`` every save may (rank 0's clock decides later, off the commit path:
         :meth:`start`); its slot stays pinned until the decision."""
         if self.p.interval_s is None:
@@ -231,13 +232,12 @@ class Uploader:
                 pass
 
     def failed_step(self, step: int) -> None:
-        """``step`` failed here: with ``interval_s``, rank 0 marks it not due, so no rank
-        waits for a decision that would never come; rank 0 also closes its upload's gate,
-        which the other ranks' uploads of it would wait for."""
+        """``step`` failed here (or this rank skipped it): with ``interval_s``, rank 0 marks
+        it not due, so no rank waits for a decision that would never come; the other
+        ranks' uploads of it stop waiting for this rank's shard (and, rank 0, for the gate)."""
         if self.p.interval_s is not None and self.p.rank == 0:
             self.decisions.persist_outcome(-step - 1, "0", 0)
-        if self.p.rank == 0:
-            self.coord.persist_gate(step, f"fail:0:step {step} failed on rank 0", 0)
+        self._publish_failure(step, f"step {step} failed on rank {self.p.rank}")
 
     def _publish_failure(self, step: int, why: str) -> None:
         """Every rank learns at once that ``step`` gets no manifest (instead of waiting

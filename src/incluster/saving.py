@@ -111,6 +111,8 @@ class SavePipeline:
                 tree=job.flat.tree,
                 fsync=self.config.fsync,
                 ordinal=job.ordinal,
+                prev=job.prev,
+                timeline=job.timeline,
                 digests=tuple(job.digests) if job.digests is not None else None,
                 drain=job.drain,
                 loaded=self._loaded,
@@ -269,7 +271,8 @@ class SavePipeline:
         writer: Writer | None = None,
     ) -> None:
         if not published:  # no rank may wait for a step that failed here (told by the step's own writer)
-            (writer or self._writer).fail(job.step, f"{phase}: {type(exc).__name__}: {exc}")
+            (writer or self._writer).fail(job.step, f"{phase}: {type(exc).__name__}: {exc}",
+                                          (job.prev, job.ordinal, job.timeline))
         full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
         hint = (f"; the RAM disk holding {self.folder} is full: free space there, lower keep or "
                 f"replicas, or point local_dir elsewhere") if full and "free space" not in str(exc) else ""
@@ -281,7 +284,9 @@ class SavePipeline:
             err.__cause__ = exc
         peer = published and phase == "commit" and (
             isinstance(exc, PeerTimeoutError) or failed_on(str(exc)) not in (None, self.rank)
-            or "(replication: " in str(exc) or "was started again" in str(exc))  # a pair's, not this rank's
+            or "(replication: " in str(exc) or "was started again" in str(exc)  # a pair's, not this rank's
+            # a step only some ranks saved: raised by the next save(), it would fail that step everywhere too
+            or "every rank must save the same steps" in str(exc))
         if peer:  # another rank's failure: reported by wait() and the handle, never by this rank's next save()
             err.from_peer = True  # type: ignore[attr-defined]
             log.warning("incluster: rank %d: %s", self.rank, err)

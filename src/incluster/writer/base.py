@@ -23,8 +23,9 @@ class Writer(Protocol):
         The local future gives (shard path, whether this step goes to the persistent tier)."""
         ...
 
-    def fail(self, step: int, reason: str) -> None:
-        """Publish that this rank's save of ``step`` failed (so no rank waits for it)."""
+    def fail(self, step: int, reason: str, seq: tuple[int, int, int] | None = None) -> None:
+        """Publish that this rank's save of ``step`` failed (so no rank waits for it).
+        ``seq``: the save's (prev, ordinal, timeline), as in CommitRequest."""
         ...
 
     def replicate(self, folder: str, step: int) -> None:

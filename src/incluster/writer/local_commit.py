@@ -39,7 +39,9 @@ class CommitRequest:
     tree: Any
     fsync: bool = False
     chunk: int = DEFAULT_CHUNK
-    ordinal: int = 0  # the save's place among this rank's save() calls: the same on every rank
+    ordinal: int = 0  # this rank's count of save() calls since its last load() (writer/sequence.py numbers them)
+    prev: int = -1  # the step of this rank's previous save() call (-1: the first): writer/sequence.py
+    timeline: int = 0  # load() calls before this save: writer/sequence.py
     digests: tuple[str, ...] | None = None  # chunk digests the trainer computed as the bytes landed
     # gpu_drain="writer": (buffer id, file offset of the buffer, file ranges) to copy from the
     # trainer's device-side snapshot into the slot before the commit (the writer hashes them)

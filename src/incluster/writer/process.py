@@ -131,10 +131,10 @@ class ProcessWriter:
             raise self._dead or WriterProcessDied("the writer process is gone") from None
         return local, outcome
 
-    def fail(self, step: int, reason: str) -> None:
+    def fail(self, step: int, reason: str, seq: tuple[int, int, int] | None = None) -> None:
         if self._dead is None:
             try:
-                self._send(Message(Kind.FAIL, self.gen, step=step, error=reason))
+                self._send(Message(Kind.FAIL, self.gen, step=step, error=reason, payload=seq))
                 return
             except OSError:
                 pass

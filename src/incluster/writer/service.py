@@ -20,6 +20,7 @@ from incluster.errors import CheckpointError
 from incluster.testing import faults
 from incluster.writer.local_commit import CommitRequest, commit_shard
 from incluster.writer.protocol import WriterParams
+from incluster.writer.sequence import SaveSequence, SkippedByOthers
 
 log = logging.getLogger("incluster")
 
@@ -49,6 +50,11 @@ class CommitService:
         self._maps_lock = threading.Lock()
         self.on_unmap: Callable[[mmap.mmap], None] | None = None  # before a mapping is closed
         self._outcomes: list[int] = []  # the first two durable steps this writer saw
+        # Called (commit thread) for a step the others saved and this rank skipped, before this
+        # rank's next exchange: the writer takes part in its exchange with nothing to send.
+        self.on_skipped: Callable[[int], None] | None = None
+        self.sequence = None if params.store is None else SaveSequence(
+            params.rank, self.coord.successor, self.fail, self._skipped)
         self.uploader = None
         if params.persist is not None:
             from incluster.persist import Uploader
@@ -80,6 +86,10 @@ class CommitService:
         Returns the shard path, what :meth:`replicate` and :meth:`upload` need, and whether
         this step goes to the persistent tier (its slot stays pinned until the upload ends)."""
         try:
+            ordinal = req.ordinal
+            # first: a step that fails later still has its place in the sequence
+            if self.sequence is not None and self.sequence.check(req.step, req.prev, req.ordinal, req.timeline):
+                ordinal = self.sequence.ordinal
             faults.check("commit", req.rank, req.step)
             if buf is None:
                 buf = self._map(req) if req.size else b""
@@ -95,10 +105,31 @@ class CommitService:
         from incluster.replication import OwnShard
 
         own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size, content_id(sidecar.checksum))
-        persist = self.uploader is not None and self.uploader.due(req.step, req.ordinal)
+        persist = self.uploader is not None and self.uploader.due(req.step, ordinal)
         if persist:
             self.uploader.loaded = req.loaded  # type: ignore[union-attr]
         return path, own, persist
+
+    def _skipped(self, step: int) -> None:
+        if self.on_skipped is not None:
+            self.on_skipped(step)
+
+    def exchanged(self, step: int, seq: tuple[int, int, int] | None = None) -> bool:
+        """Whether the partners exchange ``step``'s replicas with this rank, which failed it:
+        not when the others did not save that step (writer/sequence.py). ``seq``: the
+        trainer's previous step, its count of saves and of loads (CommitRequest's prev,
+        ordinal, timeline), if known. Commit thread, in step order."""
+        if self.sequence is None or (seq is None and self.sequence.pos is None):
+            return True  # nothing to compare with: take part, as before
+        prev, ordinal, timeline = seq if seq is not None else (-1, 0, self.sequence.timeline)
+        try:
+            self.sequence.check(step, prev, ordinal, timeline)  # the verdict its commit got, if it got that far
+        except SkippedByOthers:
+            return False
+        except Exception as err:  # noqa: BLE001 - the store is gone: take part, as before
+            log.warning("incluster: rank %d could not check step %d against the other ranks' saves: %s",
+                        self.params.rank, step, err)
+        return True
 
     def upload(self, step: int, own: Any, done: Any) -> bool:
         """Start the persistent upload of a committed shard; False if skipped."""
@@ -198,11 +229,15 @@ class CommitService:
         """Publish ``step``'s failure (first verdict wins); whether it is now known failed
         (False: it was durable already, or the store is gone and nobody can tell)."""
         try:
-            if self.uploader is not None:
-                self.uploader.failed_step(step)
-            return str(self.coord.failed(step, reason)).startswith(Outcome.FAILED.value)
+            known = str(self.coord.failed(step, reason)).startswith(Outcome.FAILED.value)
         except Exception:  # noqa: BLE001 - the store may be gone; peers then time out instead
             return False
+        if known and self.uploader is not None:  # a durable step's upload goes on
+            try:
+                self.uploader.failed_step(step)
+            except Exception:  # noqa: BLE001 - the other ranks' uploads of it time out instead
+                pass
+        return known
 
     def wait_outcome(self, step: int) -> None:
         faults.check("outcome", self.params.rank, step)

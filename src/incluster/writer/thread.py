@@ -31,6 +31,8 @@ class ThreadWriter:
         self._commit = ThreadPoolExecutor(1, thread_name_prefix="incluster-writer")
         self._repl = ThreadPoolExecutor(1, thread_name_prefix="incluster-replicate")
         self._watch = ThreadPoolExecutor(1, thread_name_prefix="incluster-outcome")
+        # a step the others saved and this rank skipped: take part in its exchange, sending nothing
+        self._service.on_skipped = self._exchange_skipped
 
     def submit(self, req: CommitRequest, slot: Slot) -> "tuple[Future[tuple[str, bool]], Future[None]]":
         if slot.mm is None and req.size:
@@ -48,7 +50,8 @@ class ThreadWriter:
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
             local.set_exception(exc)
             outcome.set_exception(exc)
-            self._repl.submit(self._replicate, req.step, None)
+            if self._service.exchanged(req.step, (req.prev, req.ordinal, req.timeline)):  # partners must not wait
+                self._repl.submit(self._replicate, req.step, None)
             return
         local.set_result((path, persist))
         if persist and not self._service.upload(req.step, own, lambda err: self._persisted(req.step, err)):
@@ -94,14 +97,21 @@ class ThreadWriter:
 
         self._commit.submit(self._repl.submit, run)  # in order behind commits in flight
 
-    def fail(self, step: int, reason: str) -> None:
+    def fail(self, step: int, reason: str, seq: tuple[int, int, int] | None = None) -> None:
         self._service.fail(step, reason)
         try:
             # Partners must not wait for us; queued behind commits in flight, so steps are
             # exchanged in order.
-            self._commit.submit(self._repl.submit, self._replicate, step, None)
+            self._commit.submit(self._failed_in_order, step, seq)
         except RuntimeError:
             pass
+
+    def _exchange_skipped(self, step: int) -> None:
+        self._repl.submit(self._replicate, step, None)
+
+    def _failed_in_order(self, step: int, seq: tuple[int, int, int] | None) -> None:
+        if self._service.exchanged(step, seq):
+            self._repl.submit(self._replicate, step, None)
 
     def close(self, timeout: float) -> None:
         self._commit.shutdown(wait=True)

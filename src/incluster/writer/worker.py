@@ -124,8 +124,11 @@ def serve(conn: Connection) -> None:
                 req = dataclasses.replace(req, drain=None, digests=tuple(f.result() for f in digests))
             path, own, persist = service.commit(req)
         except Exception as exc:  # noqa: BLE001
+            if err is not None or digests is not None:  # before service.commit, which publishes its own
+                service.fail(step, f"{type(exc).__name__}: {exc}")
             send(Message(Kind.ERROR, gen, seq, step, error=str(exc), error_type=type(exc).__name__))
-            replicas.put(partial(exchange, seq, step, None, False))
+            if service.exchanged(step, (req.prev, req.ordinal, req.timeline)):  # partners must not wait for us
+                replicas.put(partial(exchange, seq, step, None, False))
             return
         send(Message(Kind.LOCAL_DONE, gen, seq, step, payload=(path, persist)))
         if persist:
@@ -137,9 +140,13 @@ def serve(conn: Connection) -> None:
                 uploaded("skipped: the previous upload was still running")
         replicas.put(partial(exchange, seq, step, own, True))
 
-    def failed(seq: int, step: int, reason: str) -> None:
+    def failed(seq: int, step: int, reason: str, order: tuple[int, int, int] | None) -> None:
         service.fail(step, reason)
-        replicas.put(partial(exchange, seq, step, None, False))
+        if service.exchanged(step, order):
+            replicas.put(partial(exchange, seq, step, None, False))
+
+    # A step the others saved and this rank skipped: take part in its exchange, sending nothing.
+    service.on_skipped = lambda step: replicas.put(partial(exchange, 0, step, None, False))
 
     committer = threading.Thread(target=commit, name="incluster-commit", daemon=True)
     committer.start()
@@ -165,7 +172,7 @@ def serve(conn: Connection) -> None:
                     send(Message(Kind.DRAINED, gen, msg.seq, msg.step))
             commits.put(partial(finish, msg.seq, msg.step, req, digests, err))
         elif msg.kind is Kind.FAIL:
-            commits.put(partial(failed, msg.seq, msg.step, msg.error or "failed"))
+            commits.put(partial(failed, msg.seq, msg.step, msg.error or "failed", msg.payload))
         elif msg.kind is Kind.DEVICE_BUFFER:
             err_text = None
             try:
