@@ -28,7 +28,7 @@ from incluster import config as _config
 from incluster import ramdisk, reserve
 from incluster import wiring
 from incluster.claim import Claim
-from incluster.errors import CheckpointError, PeerTimeoutError
+from incluster.errors import CheckpointError, PeerTimeoutError, TierUnavailableError
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
 from incluster.loading import LoadPipeline
@@ -287,6 +287,12 @@ class Checkpointer(SavePipeline, LoadPipeline):
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)
             slot = self.ring.acquire(step, self.config.slot_timeout_s)
+        except OSError as exc:  # the RAM folder: not writable, gone, full
+            err = TierUnavailableError(
+                f"save({step}) cannot use this node's RAM folder {self.ring.folder}: {type(exc).__name__}: {exc}; "
+                f"fix its permissions or free room there, or pass another local_dir (the committed steps are intact)")
+            self._refused(step, err)
+            raise err from exc
         except BaseException as exc:
             self._refused(step, exc, (prev, ordinal, self._loads))
             raise

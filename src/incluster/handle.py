@@ -69,5 +69,8 @@ class SaveHandle:
         return self.durable.done()
 
     def __repr__(self) -> str:
-        state = "durable" if self.durable.done() else "staged" if self.staged.done() else "staging"
+        if self.durable.done() and self.durable.exception() is not None:
+            state = f"failed: {type(self.durable.exception()).__name__}"
+        else:
+            state = "durable" if self.durable.done() else "staged" if self.staged.done() else "staging"
         return f"SaveHandle(step={self.step}, {state})"

@@ -97,8 +97,11 @@ def list_manifested(tier: Any, job: str, timeout: float | None = None) -> list[i
     return box["steps"]  # type: ignore[no-any-return]
 
 
-def fix_for(error: str) -> str:
-    """What to check, for an upload error's text ("" when there is nothing to add)."""
+def fix_for(error: str, folder: str | None = None) -> str:
+    """What to check, for an upload error's text ("" when there is nothing to add);
+    ``folder``: the tier's local folder, if it is one (no credentials to check there)."""
+    if folder is not None and "PermissionError" in error:
+        return f" - check that this process may write to the persistent folder {folder} (its owner and mode)"
     if any(k in error for k in ("PermissionError", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                                 "Forbidden")):
         return (" - the tier refused these credentials or this path: check the key and secret "
@@ -108,6 +111,14 @@ def fix_for(error: str) -> str:
         return (" - the tier did not answer: check that it is up, and its endpoint (persistent_options "
                 "client_kwargs endpoint_url, or AWS_ENDPOINT_URL)")
     return ""
+
+
+def _words(value: str) -> str:
+    """A store verdict ``fail:<rank>:<why>`` as the reader should see it."""
+    parts = value.split(":", 2)
+    if len(parts) < 3 or parts[0] != "fail":
+        return value
+    return parts[2] if parts[1] == "?" or "rank" in parts[2] else f"rank {parts[1]}: {parts[2]}"
 
 
 class _Cancelled(Exception):
@@ -121,7 +132,9 @@ class Uploader:
         # Time-based decisions block on their own store client: a store client serves one
         # blocking wait at a time, and an upload's count must never queue behind one.
         self.decisions = decisions or coord
+        self._last_failure = ""  # the last upload failure warned of (steps as N): repeats go to INFO
         self.tier = open_tier(params.url, params.options)
+        self._folder = str(getattr(self.tier, "url", "")) if getattr(self.tier, "posix", False) else None
         # An object store's client retries on its own (botocore and s3fs: about 18 s for a
         # refused endpoint); retrying around it again multiplied that, so a store that was
         # down held close() for minutes. Its own policy rules (persistent_options).
@@ -268,7 +281,7 @@ class Uploader:
                 log.warning("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
                             "retrying after an error (%s)%s. Saves to the cluster's RAM go on; persistent saves are "
                             "skipped until it ends (counted, logged at INFO)", self.p.rank, step, running, trouble,
-                            fix_for(trouble) or "; the persistent tier may be down or unreachable")
+                            fix_for(trouble, self._folder) or "; the persistent tier may be down or unreachable")
             elif stuck and running != self._trouble_told:
                 self._trouble_told = running
                 log.warning("incluster: rank %d skips the persistent save of step %d: the upload of step %s has run "
@@ -326,8 +339,10 @@ class Uploader:
                 self._last_took = time.monotonic() - began
             else:
                 self.failed += 1
-                err += fix_for(err)
-                log.warning("incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
+                err = _words(err) + fix_for(err, self._folder)
+                said, self._last_failure = self._last_failure == re.sub(r"\d+", "N", err), re.sub(r"\d+", "N", err)
+                (log.info if said else log.warning)(  # the same failure again: once is enough
+                    "incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
             self._report(done, err)
 
         threading.Thread(target=run, name=f"incluster-upload-{step}", daemon=True).start()

@@ -24,7 +24,7 @@ import torch
 
 from incluster import dtensor
 from incluster.errors import CheckpointError
-from incluster.format.dtypes import dtype_name
+from incluster.format.dtypes import DTYPE_TO_NAME, dtype_name
 from incluster.format.layout import TensorSpec
 from incluster import guard
 
@@ -147,6 +147,7 @@ def snapshot(
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STORABLE = frozenset(DTYPE_TO_NAME)  # others (complex) are refused in save(), by path (flatten_snapshot)
 _SAVE_TO = torch.nn.Module._save_to_state_dict
 _STATE_DICT = torch.nn.Module.state_dict
 
@@ -175,11 +176,13 @@ def _walk_module(module: torch.nn.Module) -> tuple[bool, list[torch.Tensor]]:
     return keep, list(bufs.values())
 
 
-def _initialized(sd: Any) -> Any:
+def _initialized(sd: Any, checked: bool = False) -> Any:
     """A lazy module (``LazyLinear``) holds no values before its first forward pass: say
     so in save(), not as a shape error when the staging thread reaches it."""
     from torch.nn.parameter import UninitializedTensorMixin as lazy  # type: ignore[attr-defined]
     for k, v in sd.items():
+        if checked and isinstance(v, torch.Tensor) and v.dtype not in _STORABLE:
+            raise _Rejected
         if isinstance(v, lazy):
             raise CheckpointError(
                 f"{k}: an uninitialized parameter of a lazy module (LazyLinear, ...) holds no values yet; run "
@@ -187,13 +190,15 @@ def _initialized(sd: Any) -> Any:
     return sd
 
 
-def _pinned(sd: Any) -> Any:
+def _pinned(sd: Any, checked: bool = False) -> Any:
     """``state_dict(keep_vars=True)`` made to hold what ``state_dict()`` would: an alias
     of each tensor (a later ``param.data = ...`` or ``model.half()`` must not change what
     is saved), cheaper than ``state_dict()``'s own walk: a bare ``detach()`` for a plain
     tensor, a DTensor as its local shard and spec (no dispatch: ~30 us saved each)."""
     for k, v in sd.items():  # values only: the dict (and its _metadata) stays
         cls = type(v)
+        if checked and isinstance(v, torch.Tensor) and v.dtype not in _STORABLE:
+            raise _Rejected
         if cls is torch.nn.Parameter or cls is torch.Tensor:
             sd[k] = v.detach()
         elif isinstance(v, torch.Tensor):
@@ -207,6 +212,7 @@ def _capture(
     if isinstance(obj, torch.Tensor):
         if bare is not None and (
             type(obj).__name__ == "ShardedTensor" or obj.layout is not torch.strided or obj.is_meta
+            or obj.dtype not in _STORABLE
         ):
             raise _Rejected  # walked again with paths: the error names it and the fix
         if bare is not None and obj.numel():
@@ -218,7 +224,7 @@ def _capture(
         out = {}
         for k, v in obj.items():
             # the common leaf inline (a flat state dict of thousands of tensors: no call each)
-            if type(v) in _PLAIN and v.layout is torch.strided and not v.is_meta:
+            if type(v) in _PLAIN and v.layout is torch.strided and not v.is_meta and v.dtype in _STORABLE:
                 if bare is not None and v.numel():
                     bare.append(v)
                 out[k] = v
@@ -231,7 +237,8 @@ def _capture(
         return tuple(_capture(v, optimizers, allow_pickle, bare) for v in obj)
     if isinstance(obj, torch.nn.Module):
         keep, bufs = _walk_module(obj)
-        sd = _pinned(obj.state_dict(keep_vars=True)) if keep else _initialized(obj.state_dict())
+        checked = bare is not None  # save(): a tensor the shard cannot hold is refused there, not later
+        sd = _pinned(obj.state_dict(keep_vars=True), checked) if keep else _initialized(obj.state_dict(), checked)
         buffers: dict[ViewKey, torch.Tensor] = {}
         if bufs:
             # Only buffers the state dict holds: non-persistent ones are not saved, so not copied

@@ -46,6 +46,8 @@ class _Loader:
         """Rebuild ``node``; tensors are copied into ``live`` in place when it fits."""
         if not isinstance(node, dict) or len(node) < 1:
             raise CheckpointError(f"{path}: malformed tree node in the checkpoint record")
+        if "S" not in node and live is not None and not isinstance(live, torch.Tensor) and is_stateful(live):
+            return self.into_stateful(node, live, path)
         if "S" in node:
             if live is None or not is_stateful(live):
                 what = "nothing" if live is None else f"a {type(live).__module__}.{type(live).__qualname__}"
@@ -88,6 +90,30 @@ class _Loader:
             return pickle.loads(self.fetch(node["P"]).numpy().tobytes())
         raise CheckpointError(f"{path}: unknown tree node {sorted(node)} in the checkpoint record")
 
+    def top(self, node: Any, live: Any, path: str) -> Any:
+        """A value of the state passed to load(): one that is kept as it is (a tensor, which
+        takes its bytes in place) must take the stored value, never drop it."""
+        if isinstance(live, torch.Tensor) and isinstance(node, dict) and not ({"T", "D"} & set(node)):
+            raise CheckpointError(
+                f"{path}: the checkpoint holds {_saved_kind(node)} here, but the live state has a tensor, "
+                f"which cannot take it; pass what was saved")
+        return self.value(node, live, path)
+
+    def into_stateful(self, node: Any, live: Any, path: str) -> Any:
+        """A plain value saved where the live state has an object with load_state_dict()
+        (a model saved as ``model.state_dict()``, loaded as the model): the object takes it
+        through load_state_dict(), or the load is refused - never dropped."""
+        restored = self.value(node, None, path)
+        if self.collect is None:
+            try:
+                live.load_state_dict(restored)
+            except Exception as exc:  # noqa: BLE001 - whatever it raises, it did not take it
+                raise CheckpointError(
+                    f"{path}: the checkpoint holds {_saved_kind(node)} here, which the live "
+                    f"{type(live).__module__}.{type(live).__qualname__} cannot take ({type(exc).__name__}: "
+                    f"{str(exc)[:300]}); pass what was saved") from exc
+        return live
+
     def tensor(self, name: str, live: Any, path: str) -> torch.Tensor:
         plain = isinstance(live, torch.Tensor) and not dtensor.is_dtensor(live)
         if self.collect is not None:
@@ -100,16 +126,7 @@ class _Loader:
         if src is None:
             src = self.fetch(name)
         if isinstance(live, torch.Tensor) and not dtensor.is_dtensor(live):
-            if tuple(live.shape) != tuple(src.shape):
-                raise CheckpointError(
-                    f"{path}: the checkpoint holds shape {tuple(src.shape)} but the live tensor is "
-                    f"{tuple(live.shape)}; build the model with the same configuration before loading"
-                )
-            if live.dtype != src.dtype:  # copy_ would cast: int64 -> int32 wraps, fp32 -> bf16 rounds
-                raise CheckpointError(
-                    f"{path}: the checkpoint holds {src.dtype} values but the live tensor is {live.dtype}; "
-                    f"load into a model of the saved dtype (cast it after load() if you want {live.dtype})"
-                )
+            mismatch(path, live, src.dtype, tuple(src.shape))
             live.copy_(src)
             return live
         return src.clone()
@@ -130,6 +147,27 @@ class _Loader:
         if node["S"] == "module" and _loaded_in_place(obj, live_sd, new_sd):
             return  # every value was copied straight into the module's own storage
         obj.load_state_dict(new_sd)
+
+
+def mismatch(path: str, live: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Refuse a stored tensor the live one cannot take as it is (``copy_`` would broadcast
+    or cast: int64 -> int32 wraps, fp32 -> bf16 rounds)."""
+    if tuple(live.shape) != tuple(shape):
+        raise CheckpointError(
+            f"{path}: the checkpoint holds shape {tuple(shape)} but the live tensor is "
+            f"{tuple(live.shape)}; build the model with the same configuration before loading"
+        )
+    if live.dtype != dtype:
+        raise CheckpointError(
+            f"{path}: the checkpoint holds {dtype} values but the live tensor is {live.dtype}; "
+            f"load into a model of the saved dtype (cast it after load() if you want {live.dtype})"
+        )
+
+
+def _saved_kind(node: Any) -> str:
+    kinds = {"T": "a tensor", "D": "a DTensor", "v": "a value", "f": "a float", "d": "a dict",
+             "l": "a list", "t": "a tuple", "P": "a pickled object"}
+    return next((kinds[k] for k in kinds if isinstance(node, dict) and k in node), "a value")
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -223,7 +261,7 @@ def live_targets(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = Fa
         init_lazy_optimizers(state, tree)
         for key, node in tree["d"]:
             if key in state:
-                loader.value(node, state[key], escape_part(key))
+                loader.top(node, state[key], escape_part(key))
     return loader.collect or {}
 
 
@@ -238,7 +276,7 @@ def live_dtensors(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = F
         init_lazy_optimizers(state, tree)
         for key, node in tree["d"]:
             if key in state:
-                loader.value(node, state[key], escape_part(key))
+                loader.top(node, state[key], escape_part(key))
     return loader.dtensors
 
 
@@ -268,7 +306,7 @@ def load_into(
             if key not in state:
                 continue  # parts the caller did not ask for are left alone
             live = state[key]
-            restored = loader.value(node, live, escape_part(key))
+            restored = loader.top(node, live, escape_part(key))
             if not is_stateful(live) and not isinstance(live, torch.Tensor):
                 _assign(state, key, live, restored)
 

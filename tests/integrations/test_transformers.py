@@ -114,3 +114,48 @@ def test_the_trainer_takes_checkpointer_options_as_a_dict_like_lightning(local_d
     assert os.path.isdir(os.path.join(local_dir, "as-dict"))
     with pytest.raises(TypeError, match="a dict of its options"):
         InclusterTrainer(model=Tiny(), args=args, train_dataset=data, checkpointer="as-dict")
+
+
+def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(local_dir, tmp_path):
+    """The Trainer checks max_steps only after a step: every rerun of a finished job
+    trained (and saved) one step more. The folder that hands the restored TrainerState to
+    the Trainer is gone once it is read (a SIGKILLed run left one in /tmp each time)."""
+    require("transformers", "transformers")
+    import torch
+    from transformers import TrainerCallback, TrainingArguments
+
+    from incluster.integrations.transformers import InclusterTrainer
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels=None):
+            y = self.lin(x).squeeze(-1)
+            return {"loss": ((y - labels) ** 2).mean(), "logits": y}
+
+    seen: list[bool] = []
+
+    class FolderGone(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            seen.append(os.path.exists(trainer._ic_folder))
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(2), "labels": torch.tensor(1.0)} for _ in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=5, save_steps=5, report_to=[], use_cpu=True,
+                             per_device_train_batch_size=2)
+    model = Tiny()
+    trainer = InclusterTrainer(model=model, args=args, train_dataset=data, callbacks=[FolderGone()],
+                               checkpointer=dict(local_dir=local_dir, job="finished", writer="thread"))
+    trainer.train(resume_from_checkpoint=True)  # nothing saved yet: from scratch
+    assert trainer.state.global_step == 5 and trainer.incluster_handle.step == 5
+    done = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):
+        again = Tiny()
+        trainer = InclusterTrainer(model=again, args=args, train_dataset=data, callbacks=[FolderGone()],
+                                   checkpointer=dict(local_dir=local_dir, job="finished", writer="thread"))
+        trainer.train(resume_from_checkpoint=True)
+        assert trainer.incluster_resumed_step == 5 and trainer.state.global_step == 5
+        assert all(torch.equal(v, done[k]) for k, v in again.state_dict().items())
+    assert seen == [False, False, False]

@@ -40,3 +40,22 @@ def test_demo_and_showcase_refuse_values_they_cannot_run_with_a_usage_error(caps
         assert done.value.code == 2 and says in capsys.readouterr().err, argv
     assert main(["demo", "--steps", "8", "--save-every", "5"]) == 2  # a node is lost only after two saves
     assert "--steps must be at least 2 x --save-every + 3 (13)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_demo_with_two_nodes_swaps_nobody_and_does_not_say_so():
+    """`incluster demo --nodes 2` printed "spare C takes its place, C and C swap positions"."""
+    import random
+
+    from incluster.demo.cluster import _replace
+
+    said: list[str] = []
+
+    class Con:
+        def print(self, text: str) -> None:
+            said.append(text)
+
+    assert _replace(Con(), random.Random(1), ["A", "B"], "A", "C", 7) == ["C", "B"]
+    assert "swap" not in said[-1] and "spare C takes its place: C B" in said[-1], said
+    for seed in range(20):  # with more nodes two survivors swap, never the spare
+        layout = _replace(Con(), random.Random(seed), ["A", "B", "D", "E"], "B", "C", 7)
+        assert layout[1] == "C" and sorted(layout) == ["A", "C", "D", "E"] and "swap positions" in said[-1]

@@ -93,3 +93,13 @@ def test_plan_warns_where_the_interval_cannot_be_kept_or_the_model_does_not_hold
     assert "outside its range" in " ".join(p.stdout.split()) and "-0.000" not in p.stdout
     p = run("plan", "--gpus", "1000", "--interruptions-per-day", "5", "--json")
     assert json.loads(p.stdout)["warnings"] == []
+
+
+def test_plan_past_the_models_range_never_shows_a_negative_share_and_says_no_progress() -> None:
+    """Hourly saves with failures every 29 min: the first-order terms gave a negative save
+    badput and a total of 104 % without saying what that means."""
+    p = run("plan", "--gpus", "1000", "--interruptions-per-day", "50", "--interval-s", "3600", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["plan"]["badput_pct"]["checkpoint_save"] >= 0
+    assert any("makes no progress" in w for w in out["warnings"]), out["warnings"]

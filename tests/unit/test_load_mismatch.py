@@ -36,6 +36,56 @@ def test_fp32_weights_are_not_rounded_into_a_bf16_model(local_dir):
         _load(local_dir, {"model": live})
 
 
+def test_a_shape_mismatch_is_refused_before_any_tensor_is_overwritten(local_dir):
+    """The first tensors fit, the last does not: none of them may have changed."""
+    torch.manual_seed(0)
+    _save(local_dir, {"model": torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))})
+    torch.manual_seed(1)
+    live = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))  # another head
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"model/1.weight: the checkpoint holds shape \(8, 64\)") as err:
+        _load(local_dir, {"model": live})
+    assert "partly overwritten" not in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
+
+
+@pytest.mark.parametrize("saved, live, says", [
+    (lambda: torch.nn.Linear(4, 8).state_dict(), lambda: torch.nn.Linear(4, 4), "(?s)holds a dict here.*size mismatch"),
+    (lambda: torch.ones(3), lambda: torch.nn.Linear(1, 1), "holds a tensor here, which the live torch.nn"),
+    (lambda: 5, lambda: torch.nn.Linear(1, 1), "holds a value here"),
+    (lambda: {"a": 1}, lambda: torch.zeros(3), "holds a dict here, but the live state has a tensor"),
+    (lambda: [1, 2], lambda: torch.zeros(2), "holds a list here"),
+    (lambda: {"m": torch.ones(3)}, lambda: {"m": torch.nn.Linear(1, 1)}, "x/m: the checkpoint holds a tensor"),
+])
+def test_a_value_the_live_object_cannot_take_is_refused_not_ignored(local_dir, saved, live, says):
+    """load() returned the step while the live object kept what it had (the value was
+    dropped): a tensor saved where the state now has a module, a dict where it has a tensor."""
+    _save(local_dir, {"x": saved()})
+    obj = live()
+    with pytest.raises(CheckpointError, match=says):
+        _load(local_dir, {"x": obj})
+
+
+def test_a_model_saved_as_its_state_dict_loads_into_the_model(local_dir):
+    """It returned the step and left the model's random weights (the README loads the
+    model itself): the model takes the saved dict through load_state_dict()."""
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(8, 8)
+    _save(local_dir, {"model": saved.state_dict()})
+    live = torch.nn.Linear(8, 8)
+    assert _load(local_dir, {"model": live}) == 1
+    assert torch.equal(live.weight, saved.weight) and torch.equal(live.bias, saved.bias)
+
+
+def test_a_model_saved_as_its_state_dict_loads_into_its_state_dict(local_dir):
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(8, 8)
+    _save(local_dir, {"model": saved.state_dict()})
+    live = torch.nn.Linear(8, 8)
+    assert _load(local_dir, {"model": live.state_dict()}) == 1
+    assert torch.equal(live.weight, saved.weight) and torch.equal(live.bias, saved.bias)
+
+
 def test_a_module_with_other_keys_is_refused_saying_what_was_overwritten(local_dir):
     torch.manual_seed(0)
     _save(local_dir, {"model": torch.nn.Sequential(torch.nn.Linear(64, 64))})

@@ -20,13 +20,41 @@ def _state(v: float) -> dict:
 
 def test_refused_credentials_fail_at_once_and_name_what_to_check(local_dir, tmp_path):
     """A permission error cannot pass on a retry: one attempt, and the fix is named."""
-    tier = FaultyTier(FsspecTier(str(tmp_path / "persist")), ops=("write",), errno_=errno.EACCES)
+    tier = FaultyTier(FsspecTier(str(tmp_path / "persist")), ops=("write",), errno_=errno.EACCES, posix=False)
     with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=tier,
                                 persistent_every=1) as ck:
         h = ck.save(0, _state(0.0))
         with pytest.raises(incluster.TierUnavailableError, match="refused these credentials.*persistent_options"):
             h.persisted.result(30)
     assert tier.calls == 1
+
+
+def test_a_folder_this_process_cannot_write_is_named_not_credentials(local_dir, tmp_path, caplog):
+    """A plain path has no keys or bucket policy to check; the same failure again is
+    not warned of again."""
+    folder = str(tmp_path / "persist")
+    tier = FaultyTier(FsspecTier(folder), ops=("write",), errno_=errno.EACCES)
+    caplog.set_level(logging.INFO, logger="incluster")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=tier,
+                                persistent_every=1) as ck:
+        for step in (0, 1):
+            h = ck.save(step, _state(float(step)))
+            with pytest.raises(incluster.TierUnavailableError) as err:
+                h.persisted.result(30)
+            assert f"may write to the persistent folder {folder}" in str(err.value), err.value
+            assert "credentials" not in str(err.value) and "fail:" not in str(err.value), err.value
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "persistent save of step" in r.message]
+    assert len(warned) == 1, [r.message for r in warned]
+
+
+def test_store_verdicts_and_local_permission_hints_read_as_words():
+    from incluster.persist import _words, fix_for
+
+    assert _words("fail:0:PermissionError: [Errno 13] x") == "rank 0: PermissionError: [Errno 13] x"
+    assert _words("fail:1:step 9 failed on rank 1") == "step 9 failed on rank 1"
+    assert _words("fail:?:no outcome within 5 s") == "no outcome within 5 s"
+    assert "owner and mode" in fix_for("PermissionError: [Errno 13]", "/mnt/ckpt")
+    assert "credentials" in fix_for("PermissionError: [Errno 13]", None)  # an object store
 
 
 def test_a_skip_while_the_upload_retries_says_the_tier_is_failing_not_slow(local_dir, tmp_path, caplog):

@@ -313,6 +313,8 @@ def test_an_incomplete_step_newer_than_the_restorable_one_is_a_warning_not_a_fau
     code, text = inproc(capsys, "verify", *cluster.values())
     assert code == 3 and "FAULT" not in text and "WARNING: job j: a restore would use step 10, but step(s) 12" in text, text
     assert "newest step with a good copy of every rank is 10" in text
+    code, text = inproc(capsys, "verify", *cluster.values(), "--step", "10")  # a newer step exists: not "newest"
+    assert code == 0 and "job j: step 10 has a good copy of every rank" in text and "newest" not in text, text
     code, text = inproc(capsys, "verify", *cluster.values(), "--step", "12")  # asked for: a fault
     assert code == 1 and "rank 1 cannot be restored: it has no copy with a sidecar anywhere" in text, text
     for node in cluster.values():  # nothing complete left at all: a fault

@@ -158,14 +158,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _replace(con: Any, rng: random.Random, layout: list[str], victim: str | None, spare: str, progress: int) -> list[str]:
-    """The spare takes the victim's place and two nodes swap positions."""
+    """The spare takes the victim's place and two surviving nodes swap positions (with
+    fewer than two survivors, none do)."""
     layout = [spare if n == victim else n for n in layout]
-    a, b = rng.sample(range(len(layout)), 2) if len(layout) >= 3 else (0, 0)
-    while spare in (layout[a], layout[b]) and len(layout) > 2:
-        a, b = rng.sample(range(len(layout)), 2)
-    layout[a], layout[b] = layout[b], layout[a]
+    swap = ""
+    if len(layout) >= 3:
+        a, b = rng.sample([i for i, n in enumerate(layout) if n != spare], 2)
+        layout[a], layout[b] = layout[b], layout[a]
+        swap = f", {layout[b]} and {layout[a]} swap positions"
     con.print(f"[yellow]node {victim} lost (SIGKILL, RAM folder gone) at step {progress}[/]; "
-              f"spare {spare} takes its place, {layout[b]} and {layout[a]} swap positions: {' '.join(layout)}")
+              f"spare {spare} takes its place{swap}: {' '.join(layout)}")
     return layout
 
 

@@ -92,6 +92,9 @@ def plan_warnings(cfg: ModelConfig, r: ModelResult) -> list[str]:
     if cfg.rate_per_s * (tau + cfg.blocking_s) > 0.5:
         out.append(f"failures come every {1 / cfg.rate_per_s:.0f} s on average, within about two intervals: the "
                    f"first-order model (Young/Daly) is outside its range and its numbers are rough at best")
+    if r.badput >= 1.0:
+        out.append(f"the model's badput adds up to {100 * r.badput:.0f} % at this interval: read it as a job that "
+                   f"makes no progress, and save more often (leave out --interval-s for the best interval)")
     return out
 
 

@@ -254,7 +254,7 @@ def evaluate(config: ModelConfig, interval_s: float | None = None) -> ModelResul
         (tau / p) * (t.time_to_recoverable_s + k * p / 2.0 - delta / 2.0)
         for t, k in zip(config.tiers, ks)
     )
-    save = (delta / p) * (1.0 - lam * tau / 2.0)
+    save = (delta / p) * max(0.0, 1.0 - lam * tau / 2.0)  # first order: never below zero past its range
     lost = lam * sum(t.serves_fraction * c for t, c in zip(config.tiers, lost_c))
     down = 1.0 - rho
     # Each recovery attempt runs min(X, R + T_i) with X ~ Exp(lambda): the restart phase

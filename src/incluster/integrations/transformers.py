@@ -181,6 +181,13 @@ class InclusterTrainerMixin:
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         a = inspect.signature(super()._run_epoch).bind(*args, **kwargs).arguments  # type: ignore[misc]
         t: Any = self
+        if self._ic_restored is not None and t.state.global_step >= t.state.max_steps > 0:
+            # The restored step ends the run: the Trainer checks max_steps only after a step,
+            # so every rerun of a finished job would train (and save) one step more.
+            log.info("incluster: step %d restored; max_steps is %d: nothing left to train",
+                     t.state.global_step, t.state.max_steps)
+            t.control.should_training_stop = True
+            return None
         skipped = 0
         if a["epoch"] == a["epochs_trained"] and a["resume_from_checkpoint"] is not None and not t.args.ignore_data_skip:
             skipped = a["steps_trained_in_current_epoch"]
@@ -230,6 +237,8 @@ class InclusterTrainerMixin:
         )
         if self._ic_ours(resume_from_checkpoint) and self._ic_restored is not None:
             self._ic_check_position(epochs, skip)
+        if self._ic_folder is not None:  # its trainer_state.json is read: nothing left to leave behind
+            shutil.rmtree(self._ic_folder, ignore_errors=True)  # (a SIGKILL skips train()'s finally)
         return epochs, skip
 
     def _ic_check_position(self, epochs: int, skip: int) -> None:

@@ -28,7 +28,7 @@ from incluster.errors import CorruptCheckpointError
 from incluster.format.checksum import Checksum, ChunkVerifier
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.reader import ShardHeader
-from incluster.state_load import live_targets
+from incluster.state_load import live_targets, mismatch
 
 BIG = 256 * 1024  # tensors at least this big get a segment of their own
 PIECE = 1 << 20  # local reads copy and hash this much at a time (it stays in the cache)
@@ -74,6 +74,8 @@ def direct_targets(
     spans = []
     for name, t in live_targets(state, tree, allow_pickle=allow_pickle).items():
         st = header.tensors.get(name)
+        if st is not None:
+            mismatch(name, t, NAME_TO_DTYPE[st.dtype], st.shape)  # before any byte lands anywhere
         if st is None or st.nbytes < big or st.nbytes == 0:
             continue
         if (

@@ -114,8 +114,9 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
             run.received.abandon()
         if run.dirty:  # never let a caller mistake a partly overwritten state for an untouched one
             raise CheckpointError(
-                f"{exc}. The live state was already partly overwritten by this restore (by a copy that "
-                f"failed verification or by a step that was then abandoned): rebuild it before training"
+                f"{exc}. The live state was already partly overwritten by this restore (bytes of a copy "
+                f"that landed before this error, or of one that failed verification): rebuild it before "
+                f"training"
             ) from exc
         raise
     except BaseException:

@@ -24,7 +24,8 @@ class FaultyTier:
 
     ``ops``: which of write/read/delete/list fail; ``after``: calls of those that succeed
     first; ``times``: how many then fail (None: all later ones); ``paths``: only paths
-    containing one of these substrings count.
+    containing one of these substrings count; ``posix=False``: play an object store even
+    over a local folder (its errors then speak of credentials, not of a folder's mode).
     """
 
     def __init__(
@@ -36,6 +37,7 @@ class FaultyTier:
         times: int | None = None,
         paths: Iterable[str] = (),
         errno_: int = errno.ECONNREFUSED,
+        posix: bool | None = None,
     ) -> None:
         self.ops = tuple(ops)
         bad = [o for o in self.ops if o not in OPS]
@@ -44,6 +46,7 @@ class FaultyTier:
         if after < 0 or (times is not None and times < 0):
             raise ValueError("after and times must be >= 0")
         self.inner, self.after, self.times = inner, after, times
+        self._posix = posix  # None: as the tier it wraps; False: play an object store
         self.paths, self.errno = tuple(paths), errno_
         self.calls = 0  # matching calls seen
         self.failures = 0  # of them, failed
@@ -56,6 +59,15 @@ class FaultyTier:
             return
         self.failures += 1
         raise OSError(self.errno, f"injected: the store refused {op} of {path!r} (FaultyTier)")
+
+    @property
+    def url(self) -> Any:
+        return getattr(self.inner, "url", None)
+
+    @property
+    def posix(self) -> bool:
+        """Whether the tier it wraps is a local folder (its errors name that folder)."""
+        return bool(getattr(self.inner, "posix", False)) if self._posix is None else self._posix
 
     def write(self, path: str, data: memoryview, *, atomic: bool = True) -> None:
         self._gate("write", path)

@@ -112,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
     for note in inv.notes:
         line(out, "[dim]info:[/]", f"{note.path}: {note.what} (not a fault)")
     for job, step in sorted(restorable.items()):
-        line(out, "[green]restorable:[/]", f"job {job}: newest step with a good copy of every rank is {step}")
+        if args.step is not None:  # only that step was looked at: a newer one may exist
+            line(out, "[green]restorable:[/]", f"job {job}: step {step} has a good copy of every rank")
+        else:
+            line(out, "[green]restorable:[/]", f"job {job}: newest step with a good copy of every rank is {step}")
     corrupt = sum(1 for c in copies if results[id(c)] is not None)
     verdict = "[red]FAILED[/]" if faults else "[yellow]WARNING[/]" if warnings else "[green]OK[/]"
     out.print(f"{verdict}: {len(copies)} cop{'y' if len(copies) == 1 else 'ies'} checked, {corrupt} corrupt, {len(steps)} step{'s' if len(steps) != 1 else ''}, {incomplete} incomplete, "
