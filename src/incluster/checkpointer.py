@@ -291,7 +291,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             err = TierUnavailableError(
                 f"save({step}) cannot use this node's RAM folder {self.ring.folder}: {type(exc).__name__}: {exc}; "
                 f"fix its permissions or free room there, or pass another local_dir (the committed steps are intact)")
-            self._refused(step, err)
+            self._refused(step, err, (prev, ordinal, self._loads))
             raise err from exc
         except BaseException as exc:
             self._refused(step, exc, (prev, ordinal, self._loads))
