@@ -286,13 +286,13 @@ class Checkpointer(SavePipeline, LoadPipeline):
             snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers)
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)
-            slot = self.ring.acquire(step, self.config.slot_timeout_s)
-        except OSError as exc:  # the RAM folder: not writable, gone, full
-            err = TierUnavailableError(
-                f"save({step}) cannot use this node's RAM folder {self.ring.folder}: {type(exc).__name__}: {exc}; "
-                f"fix its permissions or free room there, or pass another local_dir (the committed steps are intact)")
-            self._refused(step, err, (prev, ordinal, self._loads))
-            raise err from exc
+            try:
+                slot = self.ring.acquire(step, self.config.slot_timeout_s)
+            except OSError as exc:  # the RAM folder: not writable, gone, full
+                raise TierUnavailableError(
+                    f"save({step}) cannot use this node's RAM folder {self.ring.folder}: {type(exc).__name__}: "
+                    f"{exc}; fix its permissions or free room there, or pass another local_dir (the committed "
+                    f"steps are intact)") from exc
         except BaseException as exc:
             self._refused(step, exc, (prev, ordinal, self._loads))
             raise

@@ -69,7 +69,9 @@ class SaveHandle:
         return self.durable.done()
 
     def __repr__(self) -> str:
-        if self.durable.done() and self.durable.exception() is not None:
+        if self.durable.cancelled():
+            state = "cancelled"
+        elif self.durable.done() and self.durable.exception() is not None:
             state = f"failed: {type(self.durable.exception()).__name__}"
         else:
             state = "durable" if self.durable.done() else "staged" if self.staged.done() else "staging"

@@ -118,7 +118,7 @@ def _words(value: str) -> str:
     parts = value.split(":", 2)
     if len(parts) < 3 or parts[0] != "fail":
         return value
-    return parts[2] if parts[1] == "?" or "rank" in parts[2] else f"rank {parts[1]}: {parts[2]}"
+    return parts[2] if parts[1] == "?" else f"rank {parts[1]}: {parts[2]}"
 
 
 class _Cancelled(Exception):
@@ -336,7 +336,7 @@ class Uploader:
                 self._report(None, None)
                 return
             if err is None:
-                self._last_took = time.monotonic() - began
+                self._last_took, self._last_failure = time.monotonic() - began, ""  # a new failure is news again
             else:
                 self.failed += 1
                 err = _words(err) + fix_for(err, self._folder)

@@ -93,18 +93,28 @@ class _Loader:
     def top(self, node: Any, live: Any, path: str) -> Any:
         """A value of the state passed to load(): one that is kept as it is (a tensor, which
         takes its bytes in place) must take the stored value, never drop it."""
-        if isinstance(live, torch.Tensor) and isinstance(node, dict) and not ({"T", "D"} & set(node)):
-            raise CheckpointError(
-                f"{path}: the checkpoint holds {_saved_kind(node)} here, but the live state has a tensor, "
-                f"which cannot take it; pass what was saved")
+        if isinstance(live, torch.Tensor) and isinstance(node, dict):
+            kind = "a DTensor" if dtensor.is_dtensor(live) else "a tensor"
+            if not ({"T", "D"} & set(node)) or ("T" in node and dtensor.is_dtensor(live)):
+                raise CheckpointError(
+                    f"{path}: the checkpoint holds {_saved_kind(node)} here, but the live state has {kind}, "
+                    f"which cannot take it; load with the layout it was saved with")
         return self.value(node, live, path)
 
     def into_stateful(self, node: Any, live: Any, path: str) -> Any:
         """A plain value saved where the live state has an object with load_state_dict()
         (a model saved as ``model.state_dict()``, loaded as the model): the object takes it
-        through load_state_dict(), or the load is refused - never dropped."""
-        restored = self.value(node, None, path)
+        through load_state_dict(), or the load is refused - never dropped. A saved None is
+        nothing saved (an fp32 run's absent grad scaler): the object stays as it is."""
+        if node.get("v", 0) is None:
+            return live
+        # A module's own tensors take the bytes in place, checked like any (load_state_dict
+        # would cast fp32 into bf16), and found by the dry walk: refused before any byte lands.
+        mine = live.state_dict() if isinstance(live, torch.nn.Module) and "d" in node else None
+        restored = self.value(node, mine, path)
         if self.collect is None:
+            if mine is not None and _loaded_in_place(live, mine, restored):
+                return live
             try:
                 live.load_state_dict(restored)
             except Exception as exc:  # noqa: BLE001 - whatever it raises, it did not take it

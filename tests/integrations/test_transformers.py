@@ -116,15 +116,27 @@ def test_the_trainer_takes_checkpointer_options_as_a_dict_like_lightning(local_d
         InclusterTrainer(model=Tiny(), args=args, train_dataset=data, checkpointer="as-dict")
 
 
-def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(local_dir, tmp_path):
+def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(local_dir, tmp_path, monkeypatch):
     """The Trainer checks max_steps only after a step: every rerun of a finished job
     trained (and saved) one step more. The folder that hands the restored TrainerState to
-    the Trainer is gone once it is read (a SIGKILLed run left one in /tmp each time)."""
+    the Trainer goes when train() ends, and one a SIGKILLed run left behind goes at the
+    next train() on the node."""
     require("transformers", "transformers")
+    import subprocess
+    import sys
+    import tempfile
+
     import torch
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import TrainingArguments
 
     from incluster.integrations.transformers import InclusterTrainer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"incluster-trainer-resume-{int(dead.stdout)}-abc"  # a killed run's
+    orphan.mkdir()
+    mine = tmp_path / f"incluster-trainer-resume-{os.getpid()}-xyz"  # a live process's: kept
+    mine.mkdir()
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -135,27 +147,22 @@ def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(loc
             y = self.lin(x).squeeze(-1)
             return {"loss": ((y - labels) ** 2).mean(), "logits": y}
 
-    seen: list[bool] = []
-
-    class FolderGone(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, **kw):
-            seen.append(os.path.exists(trainer._ic_folder))
-
     torch.manual_seed(0)
     data = [{"x": torch.randn(2), "labels": torch.tensor(1.0)} for _ in range(16)]
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=5, save_steps=5, report_to=[], use_cpu=True,
                              per_device_train_batch_size=2)
     model = Tiny()
-    trainer = InclusterTrainer(model=model, args=args, train_dataset=data, callbacks=[FolderGone()],
+    trainer = InclusterTrainer(model=model, args=args, train_dataset=data,
                                checkpointer=dict(local_dir=local_dir, job="finished", writer="thread"))
     trainer.train(resume_from_checkpoint=True)  # nothing saved yet: from scratch
     assert trainer.state.global_step == 5 and trainer.incluster_handle.step == 5
+    assert not orphan.exists() and mine.exists()
     done = {k: v.clone() for k, v in model.state_dict().items()}
     for _ in range(2):
         again = Tiny()
-        trainer = InclusterTrainer(model=again, args=args, train_dataset=data, callbacks=[FolderGone()],
+        trainer = InclusterTrainer(model=again, args=args, train_dataset=data,
                                    checkpointer=dict(local_dir=local_dir, job="finished", writer="thread"))
         trainer.train(resume_from_checkpoint=True)
         assert trainer.incluster_resumed_step == 5 and trainer.state.global_step == 5
         assert all(torch.equal(v, done[k]) for k, v in again.state_dict().items())
-    assert seen == [False, False, False]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("incluster-trainer")) == [mine.name]

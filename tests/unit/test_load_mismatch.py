@@ -50,7 +50,9 @@ def test_a_shape_mismatch_is_refused_before_any_tensor_is_overwritten(local_dir)
 
 
 @pytest.mark.parametrize("saved, live, says", [
-    (lambda: torch.nn.Linear(4, 8).state_dict(), lambda: torch.nn.Linear(4, 4), "(?s)holds a dict here.*size mismatch"),
+    (lambda: torch.nn.Linear(4, 8).state_dict(), lambda: torch.nn.Linear(4, 4), r"x/weight: the checkpoint holds shape \(8, 4\)"),
+    (lambda: torch.nn.Linear(4, 4).state_dict(), lambda: torch.nn.Linear(4, 4).bfloat16(), "float32 values but the live tensor is torch.bfloat16"),
+    (lambda: {"weight": torch.ones(4, 4)}, lambda: torch.nn.Linear(4, 4), "(?s)holds a dict here.*Missing key"),
     (lambda: torch.ones(3), lambda: torch.nn.Linear(1, 1), "holds a tensor here, which the live torch.nn"),
     (lambda: 5, lambda: torch.nn.Linear(1, 1), "holds a value here"),
     (lambda: {"a": 1}, lambda: torch.zeros(3), "holds a dict here, but the live state has a tensor"),
@@ -64,6 +66,33 @@ def test_a_value_the_live_object_cannot_take_is_refused_not_ignored(local_dir, s
     obj = live()
     with pytest.raises(CheckpointError, match=says):
         _load(local_dir, {"x": obj})
+
+
+def test_a_saved_none_leaves_the_live_object_as_it_is(local_dir):
+    """An fp32 run saved no grad scaler (None); its fp16 resume has one: it stays fresh."""
+    _save(local_dir, {"scaler": None, "w": torch.ones(3)})
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    live = {"scaler": scaler, "w": torch.zeros(3)}
+    assert _load(local_dir, live) == 1
+    assert scaler.get_scale() == 1024.0 and torch.equal(live["w"], torch.ones(3))
+
+
+def test_a_plain_tensor_is_not_dropped_into_a_dtensor(local_dir):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _save(local_dir, {"w": torch.ones(4)})
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        live = distribute_tensor(torch.zeros(4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        with pytest.raises(CheckpointError, match="holds a tensor here, but the live state has a DTensor"):
+            _load(local_dir, {"w": live})  # it returned 1 with the shard still zeros
+    finally:
+        if mine:
+            dist.destroy_process_group()
 
 
 def test_a_model_saved_as_its_state_dict_loads_into_the_model(local_dir):

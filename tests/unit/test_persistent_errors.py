@@ -51,7 +51,7 @@ def test_store_verdicts_and_local_permission_hints_read_as_words():
     from incluster.persist import _words, fix_for
 
     assert _words("fail:0:PermissionError: [Errno 13] x") == "rank 0: PermissionError: [Errno 13] x"
-    assert _words("fail:1:step 9 failed on rank 1") == "step 9 failed on rank 1"
+    assert _words("fail:1:step 9 failed on rank 1") == "rank 1: step 9 failed on rank 1"
     assert _words("fail:?:no outcome within 5 s") == "no outcome within 5 s"
     assert "owner and mode" in fix_for("PermissionError: [Errno 13]", "/mnt/ckpt")
     assert "credentials" in fix_for("PermissionError: [Errno 13]", None)  # an object store

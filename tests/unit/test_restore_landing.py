@@ -84,7 +84,6 @@ def test_direct_targets_skip_what_cannot_take_raw_bytes():
     live = {
         "plain": torch.zeros(100),
         "strided": torch.zeros(100, 2)[:, 0],
-        "dtype": torch.zeros(100, dtype=torch.float64),
         "ov1": base[:150],
         "ov2": base[100:],
     }
@@ -93,6 +92,21 @@ def test_direct_targets_skip_what_cannot_take_raw_bytes():
     header = parse_header(data, len(data))
     targets = direct_targets(live, flat.tree, header, allow_pickle=False, big=1)
     assert set(targets) == {"plain"}
+
+
+def test_a_live_tensor_of_another_dtype_or_shape_is_refused_before_anything_lands():
+    """load() would refuse it after the other tensors had landed: refused first, so the
+    live state is untouched (a reshard, whose shards change shape, passes strict=False)."""
+    from incluster.errors import CheckpointError
+
+    saved = {"a": torch.ones(100), "b": torch.ones(100)}
+    data, flat = _shard(saved)
+    header = parse_header(data, len(data))
+    for live, says in (({"a": torch.zeros(100), "b": torch.zeros(100, dtype=torch.float64)}, "torch.float64"),
+                       ({"a": torch.zeros(100), "b": torch.zeros(50)}, r"shape \(100,\)")):
+        with pytest.raises(CheckpointError, match=says):
+            direct_targets(live, flat.tree, header, allow_pickle=False, big=1)
+        assert set(direct_targets(live, flat.tree, header, allow_pickle=False, big=1, strict=False)) == {"a"}
 
 
 def test_placed_tensors_are_not_copied_again_and_the_rest_is_fetched(tmp_path):

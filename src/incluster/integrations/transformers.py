@@ -44,6 +44,29 @@ log = logging.getLogger("incluster")
 _STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 
 
+_FOLDER_PREFIX = "incluster-trainer-resume-"
+
+
+def _remove_orphaned_folders() -> None:
+    """The resume folders of processes that are gone (a SIGKILL skips train()'s clean-up;
+    the Trainer may read the folder again while it runs: auto_find_batch_size)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_FOLDER_PREFIX):].split("-", 1)[0]
+        if not name.startswith(_FOLDER_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
+
+
 class _Held:
     """Stands in, at restore time, for an object the Trainer creates later (the optimizer
     and scheduler exist only after ``accelerator.prepare``): takes the saved state_dict and
@@ -110,7 +133,8 @@ class InclusterTrainerMixin:
                             "resume_from_checkpoint=True to continue it, or name a new job to start afresh",
                             self.checkpointer.config.job, max(held))
         if resume_from_checkpoint is True:
-            self._ic_folder = tempfile.mkdtemp(prefix="incluster-trainer-resume-")
+            _remove_orphaned_folders()
+            self._ic_folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")
             resume_from_checkpoint = self._ic_folder
         try:
             out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
@@ -237,8 +261,6 @@ class InclusterTrainerMixin:
         )
         if self._ic_ours(resume_from_checkpoint) and self._ic_restored is not None:
             self._ic_check_position(epochs, skip)
-        if self._ic_folder is not None:  # its trainer_state.json is read: nothing left to leave behind
-            shutil.rmtree(self._ic_folder, ignore_errors=True)  # (a SIGKILL skips train()'s finally)
         return epochs, skip
 
     def _ic_check_position(self, epochs: int, skip: int) -> None:

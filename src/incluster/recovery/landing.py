@@ -67,14 +67,17 @@ def direct_targets(
     allow_pickle: bool,
     big: int = BIG,
     devices: tuple[str, ...] = ("cpu",),
+    strict: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Live tensors that can take their stored bytes as they are (see the module doc);
     ``devices``: where such a tensor may live ("cuda" ones land through
-    :mod:`incluster.recovery.device_landing`)."""
+    :mod:`incluster.recovery.device_landing`). ``strict``: a live tensor of another shape
+    or dtype than its stored one is refused here, before any byte lands (a reshard, whose
+    DTensor shards differ in shape by design, checks its own)."""
     spans = []
     for name, t in live_targets(state, tree, allow_pickle=allow_pickle).items():
         st = header.tensors.get(name)
-        if st is not None:
+        if st is not None and strict:
             mismatch(name, t, NAME_TO_DTYPE[st.dtype], st.shape)  # before any byte lands anywhere
         if st is None or st.nbytes < big or st.nbytes == 0:
             continue
