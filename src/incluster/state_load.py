@@ -95,7 +95,8 @@ class _Loader:
         takes its bytes in place) must take the stored value, never drop it."""
         if isinstance(live, torch.Tensor) and isinstance(node, dict):
             kind = "a DTensor" if dtensor.is_dtensor(live) else "a tensor"
-            if not ({"T", "D"} & set(node)) or ("T" in node and dtensor.is_dtensor(live)):
+            pickled = "P" in node and not self.allow_pickle  # value() refuses it, saying why
+            if not pickled and (not ({"T", "D"} & set(node)) or ("T" in node and dtensor.is_dtensor(live))):
                 raise CheckpointError(
                     f"{path}: the checkpoint holds {_saved_kind(node)} here, but the live state has {kind}, "
                     f"which cannot take it; load with the layout it was saved with")

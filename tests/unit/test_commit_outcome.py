@@ -86,7 +86,7 @@ def test_an_upload_failing_on_one_rank_fails_it_on_every_rank_at_once(two_ranks,
     t0 = time.monotonic()
     told = dict(words.get(timeout=30) for _ in range(2))
     assert time.monotonic() - t0 < 15
-    assert "refused write" in told[1] and told[0].startswith("fail:1:")
+    assert "refused write" in told[1] and told[0].startswith("rank 1: ")
     assert not os.path.exists(os.path.join(root, "j", "step-000000000003", "COMMITTED.json"))
 
 
