@@ -113,6 +113,14 @@ def fix_for(error: str, folder: str | None = None) -> str:
     return ""
 
 
+def _skipped_elsewhere(value: str | None) -> str | None:
+    """A store verdict saying another rank skipped the upload, as a skip ("skipped: ...")."""
+    parts = (value or "").split(":", 2)
+    if len(parts) == 3 and parts[0] == "fail" and parts[2].startswith("skipped"):
+        return f"skipped: rank {parts[1]} {parts[2]}"
+    return None
+
+
 def _words(value: str) -> str:
     """A store verdict ``fail:<rank>:<why>`` as the reader should see it."""
     parts = value.split(":", 2)
@@ -335,8 +343,12 @@ class Uploader:
                          self.p.rank, step, err or "uploaded; no manifest")
                 self._report(None, None)
                 return
+            skipped = _skipped_elsewhere(err)
             if err is None:
                 self._last_took, self._last_failure = time.monotonic() - began, ""  # a new failure is news again
+            elif skipped is not None:  # another rank skipped it (its previous upload ran): not a failure
+                err = skipped
+                log.info("incluster: rank %d: the persistent save of step %d is %s", self.p.rank, step, err)
             else:
                 self.failed += 1
                 err = _words(err) + fix_for(err, self._folder)

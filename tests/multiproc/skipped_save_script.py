@@ -7,6 +7,7 @@ saves a step 7 that rank 0 does not; both save 8; rank 1 skips steps 9 and 10 an
 an 11 of its own; both save 12, 14 and 16 (every 2nd save also goes to a persistent
 folder, OUT_DIR/tier). Then both save 20, rank 0's staging of it slowed by 2 s, and rank
 0's save(22) is refused (an object it cannot store) while 20 still stages; both save 24.
+Rank 0 saves a step 26 that rank 1, closing, never saves.
 Writes ``OUT_DIR/result-r{rank}.json``: each step's outcome ("durable" or the error),
 whether 14 and 16 were persisted, and how long the mismatched part took.
 """
@@ -74,6 +75,8 @@ def main() -> int:
         res["20"] = outcome(h20)
         res["22"] = outcome(h22) or res["22"]
         res["24"] = outcome(ck.save(24, state))
+        if rank == 0:  # rank 1 closes without it
+            res["26"] = outcome(ck.save(26, state))
     finally:
         ck.close()
         with open(os.path.join(out_dir, f"result-r{rank}.json"), "w") as f:

@@ -43,3 +43,7 @@ def test_a_step_not_every_rank_saves_fails_at_once_and_the_next_lands(local_dir,
     # writer heard of 22 before its commit of 20, it would have taken 20 for a step it
     # skipped and failed it on every rank.
     assert r0["22"].startswith("refused: ") and "save() raised on rank 0" in r1["22"], (r0, r1)
+    # The last save one rank skips before close(): it failed on a closed gloo pair,
+    # blaming the rank that saved it, and "a remote worker crashing".
+    assert "rank 1 closed its Checkpointer after step 24" in r0["26"] or (
+        "rank 1 did not save step 26: it closed its Checkpointer after step 24" in r0["26"]), r0["26"]

@@ -53,6 +53,11 @@ def test_store_verdicts_and_local_permission_hints_read_as_words():
     assert _words("fail:0:PermissionError: [Errno 13] x") == "rank 0: PermissionError: [Errno 13] x"
     assert _words("fail:1:step 9 failed on rank 1") == "rank 1: step 9 failed on rank 1"
     assert _words("fail:?:no outcome within 5 s") == "no outcome within 5 s"
+    from incluster.persist import _skipped_elsewhere
+
+    assert _skipped_elsewhere("fail:1:skipped, previous upload still running") == (
+        "skipped: rank 1 skipped, previous upload still running")  # a skip (persisted False), not a failure
+    assert _skipped_elsewhere("fail:1:PermissionError") is None and _skipped_elsewhere(None) is None
     assert "owner and mode" in fix_for("PermissionError: [Errno 13]", "/mnt/ckpt")
     assert "credentials" in fix_for("PermissionError: [Errno 13]", None)  # an object store
 

@@ -116,6 +116,28 @@ def test_the_number_comes_from_the_rank_that_got_there_first_even_for_a_new_writ
     assert fresh.ordinal == 3
 
 
+@pytest.mark.parametrize("closer_first", [True, False])
+def test_a_rank_that_closes_without_the_last_save_fails_it_for_the_others(closer_first):
+    """Rank 1 skips the last save and closes: rank 0's step 4 waited for it, then failed
+    on a closed gloo pair, blaming rank 0 and a crash."""
+    job = Job()
+    (a, _), (b, _) = job.rank(0), job.rank(1)
+    b.check(2, -1, 0)
+    a.check(2, -1, 0)
+    if closer_first:
+        b.close()
+        with pytest.raises(SkippedByOthers, match="rank 1 closed its Checkpointer after step 2"):
+            a.check(4, 2, 1)
+        assert job.failed == {}
+    else:
+        a.check(4, 2, 1)
+        b.close()
+        assert job.failed == {4: "rank 1 did not save step 4: it closed its Checkpointer after step 2 (every rank "
+                                 "must save the same steps)"}
+    a.close()  # after its own last step: nothing to fail
+    assert set(job.failed) <= {4}
+
+
 def test_after_a_load_the_same_step_numbers_start_a_new_sequence():
     """Saves 10, 20, 30, then load() restores 10 and the ranks save 15, 20, 25: the old
     "after 20 came 30" must not fail step 25 on every rank."""

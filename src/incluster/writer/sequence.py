@@ -43,8 +43,10 @@ log = logging.getLogger("incluster")
 
 _MAX_WALK = 64  # steps the others may have saved that this rank skipped, checked per save
 
-# (timeline, prev, step, number) -> the (step, number) recorded after prev (first one wins)
+# (timeline, prev, step, number) -> the (step, number) recorded after prev (first one wins);
+# step CLOSED: the rank that got there first closed its Checkpointer after prev (number: its rank)
 Successor = Callable[[int, int, int, int], tuple[int, int]]
+CLOSED = -1
 
 
 class SkippedByOthers(CommitError):
@@ -96,6 +98,10 @@ class SaveSequence:
         assert self.pos is not None
         for _ in range(_MAX_WALK):
             won, number = self._successor(self.timeline, self.pos, step, self.ordinal + 1)
+            if won == CLOSED:
+                raise SkippedByOthers(
+                    f"rank {number} closed its Checkpointer after step {self.pos}: step {step} is not saved by "
+                    f"every rank (every rank must save the same steps)")
             if won == step or won <= self.pos:
                 self.pos, self.ordinal = step, number
                 return
@@ -110,6 +116,18 @@ class SaveSequence:
             self._skipped(won)
             self.pos, self.ordinal = won, number
         self.pos, self.ordinal = step, self.ordinal + 1  # a long run of skipped steps: the rest time out
+
+    def close(self) -> None:
+        """This rank saves no more: a step the others saved after its last one fails now,
+        and one they save later fails at once (no partner waits for this rank)."""
+        if self.pos is None:
+            return
+        won, _ = self._successor(self.timeline, self.pos, CLOSED, self.rank)
+        if won not in (CLOSED, self.pos) and won > self.pos:
+            why = (f"rank {self.rank} did not save step {won}: it closed its Checkpointer after step {self.pos} "
+                   f"(every rank must save the same steps)")
+            log.error("incluster: %s", why)
+            self._fail(won, why)
 
     def _after(self) -> str:
         return "as its first save," if self.pos is None or self.pos < 0 else f"after step {self.pos},"

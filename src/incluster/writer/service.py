@@ -276,6 +276,12 @@ class CommitService:
         os.close(cached[2])
 
     def close(self, timeout: float = 600.0) -> None:
+        if self.sequence is not None:
+            try:
+                self.sequence.close()
+            except Exception as exc:  # noqa: BLE001 - the store may be gone: nothing to tell
+                log.info("incluster: rank %d: could not mark its last save in the job store: %s",
+                         self.params.rank, exc)
         idle = self.uploader is None or self.uploader.wait_idle(timeout)
         why = self.uploader.cancel() if self.uploader is not None else None  # nothing starts after this
         if not idle:
