@@ -113,20 +113,24 @@ def fix_for(error: str, folder: str | None = None) -> str:
     return ""
 
 
+def _verdict(value: str | None) -> tuple[str, str] | None:
+    """(rank, why) of a store verdict ``fail:<rank>:<why>``; None for anything else."""
+    parts = (value or "").split(":", 2)
+    return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == "fail" else None
+
+
 def _skipped_elsewhere(value: str | None) -> str | None:
     """A store verdict saying another rank skipped the upload, as a skip ("skipped: ...")."""
-    parts = (value or "").split(":", 2)
-    if len(parts) == 3 and parts[0] == "fail" and parts[2].startswith("skipped"):
-        return f"skipped: rank {parts[1]} {parts[2]}"
-    return None
+    v = _verdict(value)
+    return f"skipped: rank {v[0]} {v[1]}" if v is not None and v[1].startswith("skipped") else None
 
 
 def _words(value: str) -> str:
     """A store verdict ``fail:<rank>:<why>`` as the reader should see it."""
-    parts = value.split(":", 2)
-    if len(parts) < 3 or parts[0] != "fail":
+    v = _verdict(value)
+    if v is None:
         return value
-    return parts[2] if parts[1] == "?" else f"rank {parts[1]}: {parts[2]}"
+    return v[1] if v[0] == "?" else f"rank {v[0]}: {v[1]}"
 
 
 class _Cancelled(Exception):
@@ -352,7 +356,8 @@ class Uploader:
             else:
                 self.failed += 1
                 err = _words(err) + fix_for(err, self._folder)
-                said, self._last_failure = self._last_failure == re.sub(r"\d+", "N", err), re.sub(r"\d+", "N", err)
+                key = re.sub(r"\d+", "N", err)
+                said, self._last_failure = self._last_failure == key, key
                 (log.info if said else log.warning)(  # the same failure again: once is enough
                     "incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
             self._report(done, err)

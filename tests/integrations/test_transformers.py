@@ -37,6 +37,22 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str
     return proc.returncode, text[-3000:]
 
 
+def _tiny():
+    """A one-layer model in the Trainer's calling convention (a dict with the loss)."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels=None):
+            y = self.lin(x).squeeze(-1)
+            return {"loss": ((y - labels) ** 2).mean(), "logits": y}
+
+    return Tiny()
+
+
 def _read(out: str, job: str, mode: str) -> tuple[dict, dict]:
     import torch
 
@@ -96,24 +112,15 @@ def test_the_trainer_takes_checkpointer_options_as_a_dict_like_lightning(local_d
 
     from incluster.integrations.transformers import InclusterTrainer
 
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(2, 1)
-
-        def forward(self, x, labels=None):
-            y = self.lin(x).squeeze(-1)
-            return {"loss": ((y - labels) ** 2).mean(), "logits": y}
-
     data = [{"x": torch.randn(2), "labels": torch.tensor(0.0)} for _ in range(8)]
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, save_steps=1, report_to=[], use_cpu=True)
-    t = InclusterTrainer(model=Tiny(), args=args, train_dataset=data,
+    t = InclusterTrainer(model=_tiny(), args=args, train_dataset=data,
                          checkpointer=dict(local_dir=local_dir, job="as-dict", writer="thread"))
     t.train()
     assert t.incluster_handle.step == 2 and t._ic_checkpointer is None  # made from the dict, closed after train()
     assert os.path.isdir(os.path.join(local_dir, "as-dict"))
     with pytest.raises(TypeError, match="a dict of its options"):
-        InclusterTrainer(model=Tiny(), args=args, train_dataset=data, checkpointer="as-dict")
+        InclusterTrainer(model=_tiny(), args=args, train_dataset=data, checkpointer="as-dict")
 
 
 def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(local_dir, tmp_path, monkeypatch):
@@ -138,20 +145,11 @@ def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(loc
     mine = tmp_path / f"incluster-trainer-resume-{os.getpid()}-xyz"  # a live process's: kept
     mine.mkdir()
 
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(2, 1)
-
-        def forward(self, x, labels=None):
-            y = self.lin(x).squeeze(-1)
-            return {"loss": ((y - labels) ** 2).mean(), "logits": y}
-
     torch.manual_seed(0)
     data = [{"x": torch.randn(2), "labels": torch.tensor(1.0)} for _ in range(16)]
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=5, save_steps=5, report_to=[], use_cpu=True,
                              per_device_train_batch_size=2)
-    model = Tiny()
+    model = _tiny()
     trainer = InclusterTrainer(model=model, args=args, train_dataset=data,
                                checkpointer=dict(local_dir=local_dir, job="finished", writer="thread"))
     trainer.train(resume_from_checkpoint=True)  # nothing saved yet: from scratch
@@ -159,7 +157,7 @@ def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(loc
     assert not orphan.exists() and mine.exists()
     done = {k: v.clone() for k, v in model.state_dict().items()}
     for _ in range(2):
-        again = Tiny()
+        again = _tiny()
         trainer = InclusterTrainer(model=again, args=args, train_dataset=data,
                                    checkpointer=dict(local_dir=local_dir, job="finished", writer="thread"))
         trainer.train(resume_from_checkpoint=True)

@@ -51,6 +51,12 @@ class CommitRequest:
     loaded: bool = False
 
 
+    @property
+    def place(self) -> tuple[int, int, int]:
+        """(prev, ordinal, timeline): where this save stands in the sequence (writer/sequence.py)."""
+        return self.prev, self.ordinal, self.timeline
+
+
 def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:
     """Checksum ``buf`` (the slot mapping), rename the slot, write the sidecar last.
 

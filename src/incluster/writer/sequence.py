@@ -41,6 +41,8 @@ from incluster.errors import CommitError
 
 log = logging.getLogger("incluster")
 
+SAME_STEPS = "every rank must save the same steps"  # in every verdict here (saving.py tells them by it)
+
 _MAX_WALK = 64  # steps the others may have saved that this rank skipped, checked per save
 
 # (timeline, prev, step, number) -> the (step, number) recorded after prev (first one wins);
@@ -101,16 +103,16 @@ class SaveSequence:
             if won == CLOSED:
                 raise SkippedByOthers(
                     f"rank {number} closed its Checkpointer after step {self.pos}: step {step} is not saved by "
-                    f"every rank (every rank must save the same steps)")
+                    f"every rank ({SAME_STEPS})")
             if won == step or won <= self.pos:
                 self.pos, self.ordinal = step, number
                 return
             if won > step:
                 raise SkippedByOthers(
                     f"{self._after()} another rank saved step {won}, not step {step}: rank {self.rank} saved "
-                    f"step {step}, which not every rank saves (every rank must save the same steps)")
+                    f"step {step}, which not every rank saves ({SAME_STEPS})")
             why = (f"rank {self.rank} did not save step {won}: {self._after()} it saved step {step} "
-                   f"(every rank must save the same steps)")
+                   f"({SAME_STEPS})")
             log.error("incluster: %s", why)
             self._fail(won, why)
             self._skipped(won)
@@ -123,9 +125,9 @@ class SaveSequence:
         if self.pos is None:
             return
         won, _ = self._successor(self.timeline, self.pos, CLOSED, self.rank)
-        if won not in (CLOSED, self.pos) and won > self.pos:
+        if won > self.pos:  # a step the others saved after it (not CLOSED: -1)
             why = (f"rank {self.rank} did not save step {won}: it closed its Checkpointer after step {self.pos} "
-                   f"(every rank must save the same steps)")
+                   f"({SAME_STEPS})")
             log.error("incluster: %s", why)
             self._fail(won, why)
 

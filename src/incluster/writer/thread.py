@@ -50,7 +50,7 @@ class ThreadWriter:
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
             local.set_exception(exc)
             outcome.set_exception(exc)
-            if self._service.exchanged(req.step, (req.prev, req.ordinal, req.timeline)):  # partners must not wait
+            if self._service.exchanged(req.step, req.place):  # partners must not wait
                 self._repl.submit(self._replicate, req.step, None)
             return
         local.set_result((path, persist))

@@ -127,7 +127,7 @@ def serve(conn: Connection) -> None:
             if err is not None or digests is not None:  # before service.commit, which publishes its own
                 service.fail(step, f"{type(exc).__name__}: {exc}")
             send(Message(Kind.ERROR, gen, seq, step, error=str(exc), error_type=type(exc).__name__))
-            if service.exchanged(step, (req.prev, req.ordinal, req.timeline)):  # partners must not wait for us
+            if service.exchanged(step, req.place):  # partners must not wait for us
                 replicas.put(partial(exchange, seq, step, None, False))
             return
         send(Message(Kind.LOCAL_DONE, gen, seq, step, payload=(path, persist)))
