@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 import incluster
 from incluster.errors import CheckpointError
 from incluster.testing.faults import FaultInjector
+from incluster.testing.launch import free_port
 from integrations.conftest import require
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "hf_accelerate_run.py")
@@ -37,16 +37,10 @@ CASES = [("mid-global", "ref-global", 1, 6, 9), ("end-gen", "ref-gen", 1, 10, 12
 REFS = {ref: n for _, ref, n, _, _ in CASES}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(out: str, local_dir: str, job: str, mode: str, ranks: int, *extra: str,
            env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
     """One process, or every rank of a DDP job the way a launcher starts them."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for rank in range(ranks):
         dist = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if ranks > 1 else {}
@@ -56,16 +50,21 @@ def _start(out: str, local_dir: str, job: str, mode: str, ranks: int, *extra: st
     return procs
 
 
-def _finish(procs: list[subprocess.Popen[str]], timeout: float = 90) -> list[tuple[int, str]]:
-    deadline, out = time.monotonic() + timeout, []
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int | None, str]]:
+    """(exit code, output tail) of each process; None for one killed here at the deadline,
+    which must not pass for the injected SIGKILL. Every output of the job goes with each."""
+    deadline, codes, texts = time.monotonic() + timeout, [], []
     for proc in procs:
         try:
             text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            codes.append(proc.returncode)
         except subprocess.TimeoutExpired:
             proc.kill()
             text, _ = proc.communicate()
-        out.append((proc.returncode, text[-3000:]))
-    return out
+            codes.append(None)
+        texts.append(text[-3000:])
+    job = "\n".join(f"--- process {i} (exit {c}):\n{t}" for i, (c, t) in enumerate(zip(codes, texts)))
+    return [(code, job) for code in codes]
 
 
 def _read(out: str, job: str, mode: str, rank: int | None) -> tuple[dict, dict]:
@@ -76,7 +75,7 @@ def _read(out: str, job: str, mode: str, rank: int | None) -> tuple[dict, dict]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_accelerate_sigkill_resumes_bitwise(local_dir, tmp_path):
     require("accelerate", "accelerate")
     out = str(tmp_path)

@@ -9,28 +9,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from incluster.testing.launch import free_port
 from integrations.conftest import require
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_train.py")
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(out_dir: str, local_dir: str, mode: str, strategy: str = "ddp") -> list[subprocess.Popen[bytes]]:
     """Start every rank the way torchrun would (Lightning then runs them as given)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
@@ -103,7 +97,7 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
     require("pytorch-lightning", "pytorch_lightning")
     require("torchdata", "torchdata.stateful_dataloader")
     out = str(tmp_path / "acc.json")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="1", LOCAL_RANK="0",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", LOCAL_RANK="0",
                NODE_RANK="0", INCLUSTER_LOCAL_DIR=local_dir, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lightning_accumulate.py"), out],
                           env=env, capture_output=True, text=True, timeout=280)

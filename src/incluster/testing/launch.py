@@ -9,6 +9,7 @@ test suite and the demo; usable in your own tests.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,8 +29,37 @@ def use_zygote(zygote: Any) -> None:
     _zygote = zygote
 
 
+_handed: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: every outgoing connection and
+    every ``bind(port 0)`` (gloo's listeners, a store's clients) takes a port from that
+    range, and one could take a port picked there before the rank meant to listen on it
+    binds it. Never the same port twice in one process."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low // 2), max(1025, low - 1))
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    with socket.socket() as s:  # nothing free below the range: let the kernel pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
