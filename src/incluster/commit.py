@@ -13,12 +13,18 @@ Writers connect as clients. For step N (keys under ``<job>/``):
   same steps; writer/sequence.py);
 - ``latest`` the newest globally committed step, raised monotonically (compare-and-set).
 
+The per-step keys of the saves made after the ranks' T-th ``load()`` live under ``t<T>/``
+(:meth:`Coordinator.at`): a load() can go back past a durable step (every copy of it
+lost), and the same step number saved again is a new step. Read under the old key, its
+count was complete and its outcome "ok" before any rank committed it.
+
 Every wait is bounded; a timeout names how many ranks had committed. The protocol state
 of a step is an enum (:class:`Outcome`), never a pair of flags.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import enum
 import re
@@ -49,6 +55,10 @@ class StoreAddress:
 
 
 class Coordinator(Protocol):
+    def at(self, timeline: int) -> "Coordinator":
+        """The same client, for the steps saved after ``timeline`` load() calls (their
+        keys apart from every other timeline's)."""
+
     def committed(self, step: int) -> None:
         """Count one committed copy of ``step``; completes the step if it is the last."""
 
@@ -84,33 +94,40 @@ class SoloCoordinator:
     """World size 1 without a store: the local commit is the global commit."""
 
     def __init__(self) -> None:
-        self._outcomes: dict[int, str] = {}
-        self._infos: dict[int, str] = {}
-        self._persist: dict[int, str] = {}
+        self._t = 0  # the timeline of this view (at())
+        self._outcomes: dict[tuple[int, int], str] = {}
+        self._infos: dict[tuple[int, int], str] = {}
+        self._persist: dict[tuple[int, int], str] = {}
+
+    def at(self, timeline: int) -> SoloCoordinator:
+        view = copy.copy(self)  # the same records, keyed apart
+        view._t = timeline
+        return view
 
     def committed(self, step: int) -> None:
-        self._outcomes[step] = Outcome.COMMITTED.value
+        self._outcomes[(self._t, step)] = Outcome.COMMITTED.value
 
     def failed(self, step: int, reason: str) -> str:
-        return self._outcomes.setdefault(step, f"{Outcome.FAILED.value}:0:{reason}")
+        return self._outcomes.setdefault((self._t, step), f"{Outcome.FAILED.value}:0:{reason}")
 
     def wait_outcome(self, step: int, timeout: float) -> None:
-        _raise_for(step, self._outcomes.get(step, Outcome.COMMITTED.value))
+        _raise_for(step, self._outcomes.get((self._t, step), Outcome.COMMITTED.value))
 
     def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
         return step, number
 
     def persisted(self, step: int, info: str) -> bool:
-        self._infos = {step: info}
+        self._infos.clear()  # one upload at a time
+        self._infos[(self._t, step)] = info
         return True
 
     def persist_infos(self, step: int) -> list[str]:
-        return [self._infos[step]]
+        return [self._infos[(self._t, step)]]
 
     def persist_outcome(self, step: int, value: str | None, timeout: float) -> str:
         if value is not None:
-            return self._persist.setdefault(step, value)  # first value wins, as in the store
-        return self._persist.get(step, "fail:0:no outcome")
+            return self._persist.setdefault((self._t, step), value)  # first value wins, as in the store
+        return self._persist.get((self._t, step), "fail:0:no outcome")
 
     def persist_gate(self, step: int, value: str | None, timeout: float) -> str:
         return "ok" if value is None else value  # one rank: it is rank 0, and decides alone
@@ -144,7 +161,8 @@ class StoreCoordinator:
         self.addr = addr
         self.rank = rank
         self._latest_seen = ""
-        self._p = f"incluster/{addr.job}/"
+        self._base = f"incluster/{addr.job}/"
+        self._p = self._base  # where this view's per-step keys live (at())
         self.store = TCPStore(
             addr.host,
             addr.port,
@@ -153,8 +171,13 @@ class StoreCoordinator:
             wait_for_workers=False,
         )
 
+    def at(self, timeline: int) -> StoreCoordinator:
+        view = copy.copy(self)  # the same client, its per-step keys apart
+        view._p = self._base if timeline == 0 else f"{self._base}t{timeline}/"
+        return view
+
     def _k(self, kind: str, step: int | None = None) -> str:
-        return f"{self._p}{kind}" if step is None else f"{self._p}{kind}/{step}"
+        return f"{self._base}{kind}" if step is None else f"{self._p}{kind}/{step}"
 
     def committed(self, step: int) -> None:
         n = self.store.add(self._k("c", step), 1)
@@ -179,7 +202,7 @@ class StoreCoordinator:
         return self.store.compare_set(self._k("o", step), "", value).decode()
 
     def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
-        got = self.store.compare_set(f"{self._p}n/{timeline}/{prev}", "", f"{step}:{number}").decode()
+        got = self.store.compare_set(f"{self._base}n/{timeline}/{prev}", "", f"{step}:{number}").decode()
         won, _, n = got.partition(":")
         return int(won), int(n) if n else number
 

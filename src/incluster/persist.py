@@ -166,13 +166,15 @@ class Uploader:
         self._fate = threading.Lock()
         self._cancelled = False
         self._counted = False  # this rank's shard of the upload in flight was counted
+        self._timeline = 0  # the load() count of the upload in flight (its keys: Coordinator.at)
         self._done: Callable[[str | None], None] | None = None
         self._newer_told = False  # rank 0: the steps of a timeline not continued were named
         self._completing = False  # this rank's count completed the upload in flight: it writes the manifest
         self.loaded = False  # the save being uploaded came after a load() (CommitRequest.loaded)
         # With interval_s, steps whose due-or-not decision is awaited: each is reported
         # exactly once, by its decision or by cancel(); after cancel() nothing starts.
-        self._deciding: dict[int, Callable[[str | None], None]] = {}
+        # Keyed (timeline, step): a step number saved again after a load() is another step.
+        self._deciding: dict[tuple[int, int], Callable[[str | None], None]] = {}
         self._closed = False
         # Steps being decided or uploaded whose report has not returned yet: close() waits
         # for none (a report sent after close() would be lost, an upload reads its slot).
@@ -190,32 +192,34 @@ class Uploader:
             return ordinal % self.p.every == 0
         return True
 
-    def start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None]) -> bool:
+    def start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None],
+              timeline: int = 0) -> bool:
         """Upload in the background; False (skipped) if the previous upload still runs.
-        With ``interval_s``, first learn (in the background) whether this step is due."""
+        With ``interval_s``, first learn (in the background) whether this step is due.
+        ``timeline``: load() calls before the save (its keys in the job store)."""
         if self.p.interval_s is None:
-            return self._start(step, sidecar, buf, size, done)
+            return self._start(step, sidecar, buf, size, done, timeline)
 
         with self._fate:
             if self._closed:
                 return False
-            self._deciding[step] = done
+            self._deciding[(timeline, step)] = done
             self._active += 1
 
         def decide_then_start() -> None:
             try:
-                due = self._decide(step)
+                due = self._decide(step, timeline)
             except Exception as exc:  # noqa: BLE001 - the store is gone: not due, said once
                 due, why = False, f"skipped: no decision from rank 0 ({type(exc).__name__}: {exc})"
-                self._undecided(step)
-                self._publish_failure(step, why[:300])  # if rank 0 did decide it due, no rank waits for us
+                self._undecided(step, timeline)
+                self._publish_failure(step, why[:300], timeline)  # if rank 0 did decide it due, no rank waits for us
             else:
                 why = NOT_DUE
             if due:
-                self._start(step, sidecar, buf, size, done, deciding=True)
+                self._start(step, sidecar, buf, size, done, timeline, deciding=True)
                 return
             with self._fate:
-                mine = self._deciding.pop(step, None) is not None  # else cancel() reported it
+                mine = self._deciding.pop((timeline, step), None) is not None  # else cancel() reported it
             if mine:
                 self._report(done, why)
 
@@ -233,10 +237,11 @@ class Uploader:
                 if self._active == 0:
                     self._idle.notify_all()
 
-    def _decide(self, step: int) -> bool:
+    def _decide(self, step: int, timeline: int) -> bool:
         """Time-based: rank 0's clock decides, every other rank reads its decision (bounded)."""
+        decisions = self.decisions.at(timeline)
         if self.p.rank != 0:
-            said = self.decisions.persist_outcome(-step - 1, None, self.p.timeout_s)
+            said = decisions.persist_outcome(-step - 1, None, self.p.timeout_s)
             if said not in ("0", "1"):  # the store timed out or failed: no decision, not "not due"
                 raise CheckpointError(f"rank 0's decision did not come: {said}")
             return said == "1"
@@ -245,42 +250,43 @@ class Uploader:
             due = self._last_t is None or now - self._last_t >= (self.p.interval_s or 0.0)
             if due:
                 self._last_t = now
-            return self.decisions.persist_outcome(-step - 1, "1" if due else "0", 0) == "1"
+            return decisions.persist_outcome(-step - 1, "1" if due else "0", 0) == "1"
 
-    def _undecided(self, step: int) -> None:
+    def _undecided(self, step: int, timeline: int) -> None:
         """Rank 0 gives up deciding ``step``: "not due", so no rank waits for its decision
         (first value wins: harmless where "due" was already told)."""
         if self.p.rank == 0:
             try:
-                self.decisions.persist_outcome(-step - 1, "0", 0)
+                self.decisions.at(timeline).persist_outcome(-step - 1, "0", 0)
             except Exception:  # noqa: BLE001 - the store is gone: the others time out
                 pass
 
-    def failed_step(self, step: int) -> None:
+    def failed_step(self, step: int, timeline: int = 0) -> None:
         """``step`` failed here (or this rank skipped it): with ``interval_s``, rank 0 marks
         it not due, so no rank waits for a decision that would never come; the other
         ranks' uploads of it stop waiting for this rank's shard (and, rank 0, for the gate)."""
         if self.p.interval_s is not None and self.p.rank == 0:
-            self.decisions.persist_outcome(-step - 1, "0", 0)
-        self._publish_failure(step, f"step {step} failed on rank {self.p.rank}")
+            self.decisions.at(timeline).persist_outcome(-step - 1, "0", 0)
+        self._publish_failure(step, f"step {step} failed on rank {self.p.rank}", timeline)
 
-    def _publish_failure(self, step: int, why: str) -> None:
+    def _publish_failure(self, step: int, why: str, timeline: int) -> None:
         """Every rank learns at once that ``step`` gets no manifest (instead of waiting
         timeout_s for a count or a gate that will not come). First value wins."""
         try:
+            coord = self.coord.at(timeline)
             if self.p.rank == 0:
-                self.coord.persist_gate(step, f"fail:0:{why}", 0)
-            self.coord.persist_outcome(step, f"fail:{self.p.rank}:{why}", 0)
+                coord.persist_gate(step, f"fail:0:{why}", 0)
+            coord.persist_outcome(step, f"fail:{self.p.rank}:{why}", 0)
         except Exception:  # noqa: BLE001 - the store is gone: they time out
             pass
 
     def _start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None],
-               deciding: bool = False) -> bool:
+               timeline: int, deciding: bool = False) -> bool:
         """Start the upload; False if the previous one still runs (reported here if the
         step was ``deciding``, else by the caller). Nothing starts after cancel()."""
         if not self._busy.acquire(blocking=False):
             with self._fate:
-                mine = not deciding or self._deciding.pop(step, None) is not None
+                mine = not deciding or self._deciding.pop((timeline, step), None) is not None
             if not mine:  # cancel() reported it
                 return True
             self.skipped += 1
@@ -307,17 +313,18 @@ class Uploader:
             else:
                 log.info("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
                          "running, for %.1f s (%d skipped so far)", self.p.rank, step, running, ran, self.skipped)
-            self._publish_failure(step, "skipped, previous upload still running")
+            self._publish_failure(step, "skipped, previous upload still running", timeline)
             if deciding:
                 self._report(done, "skipped: the previous upload was still running")
             return False
 
         began = time.monotonic()
         with self._fate:
-            mine = not deciding or self._deciding.pop(step, None) is not None
+            mine = not deciding or self._deciding.pop((timeline, step), None) is not None
             go = mine and not self._closed
             if go:
                 self.uploading, self._cancelled, self._counted, self._done = step, False, False, done
+                self._timeline = timeline
                 self.trouble, self._completing, self._began = None, False, began
                 if not deciding:  # a decided step is counted already
                     self._active += 1
@@ -332,11 +339,11 @@ class Uploader:
         def run() -> None:
             err = None
             try:
-                err = self._upload(step, sidecar, buf, size)
+                err = self._upload(step, sidecar, buf, size, self.coord.at(timeline))
             except BaseException as exc:  # noqa: BLE001 - reported, never raised into training
                 err = f"{type(exc).__name__}: {exc}"
                 del exc  # its frames hold views of the slot's mapping
-                self._publish_failure(step, err[:300])
+                self._publish_failure(step, err[:300], timeline)
             finally:
                 with self._fate:
                     self.uploading = None
@@ -383,15 +390,15 @@ class Uploader:
                 delay *= 2
         return None
 
-    def _upload(self, step: int, sidecar: bytes, buf: Any, size: int) -> str | None:
+    def _upload(self, step: int, sidecar: bytes, buf: Any, size: int, coord: Coordinator) -> str | None:
         d = step_dir(self.p.job, step)
         name = f"rank-{self.p.rank:05d}"
         view = memoryview(buf)[:size] if size else memoryview(b"")
         if self.p.rank == 0:
             self._retry("opening the step in the persistent tier", lambda: self._open_step(step))
-            self.coord.persist_gate(step, "ok", 0)
+            coord.persist_gate(step, "ok", 0)
         else:  # nothing is written before rank 0 found the step free to write
-            gate = self.coord.persist_gate(step, None, self.p.timeout_s)
+            gate = coord.persist_gate(step, None, self.p.timeout_s)
             if gate != "ok":
                 return gate
         self._retry("shard upload", lambda: self.tier.write(f"{d}/{name}.safetensors", view))
@@ -403,19 +410,19 @@ class Uploader:
             if self._cancelled:
                 return CANCELLED
             self._counted = True
-        if self.coord.persisted(step, info):
+        if coord.persisted(step, info):
             self._completing = True
-            infos = sorted((json.loads(i) for i in self.coord.persist_infos(step)), key=lambda i: i["rank"])
+            infos = sorted((json.loads(i) for i in coord.persist_infos(step)), key=lambda i: i["rank"])
             manifest = {"format": "incluster-manifest", "version": 1, "job": self.p.job, "step": step,
                         "world_size": self.p.world_size, "ranks": infos, "created": time.time()}
             self._retry("manifest upload", lambda: self.tier.write(f"{d}/{MANIFEST}", memoryview(json.dumps(manifest).encode())))
-            self.coord.persist_outcome(step, "ok", 0)
+            coord.persist_outcome(step, "ok", 0)
             try:
                 self._retention(step)
             except Exception as exc:  # noqa: BLE001 - the step is manifested: only the clean-up failed
                 log.warning("incluster: persistent retention after step %d failed (%s: %s); older steps stay "
                             "until the next one", step, type(exc).__name__, exc)
-        value = self.coord.persist_outcome(step, None, self.p.timeout_s)
+        value = coord.persist_outcome(step, None, self.p.timeout_s)
         return None if value == "ok" else value
 
     def _open_step(self, step: int) -> None:
@@ -467,14 +474,14 @@ class Uploader:
         with self._fate:
             self._closed = True
             undecided, self._deciding = self._deciding, {}
-            step, done = self.uploading, self._done
+            step, done, timeline = self.uploading, self._done, self._timeline
             running = step is not None and not self._cancelled
             self._cancelled = True
             counted = self._counted and not self._completing  # the manifest writer's count is no promise
         undecided_why = None
-        for later, told in sorted(undecided.items()):
-            self._undecided(later)
-            self._publish_failure(later, CANCELLED)
+        for (later_timeline, later), told in sorted(undecided.items()):
+            self._undecided(later, later_timeline)
+            self._publish_failure(later, CANCELLED, later_timeline)
             undecided_why = (f"close() came before rank 0's clock said whether step {later} was due "
                              f"(persistent_interval_s): it is not in the persistent tier")
             self._report(told, undecided_why)
@@ -487,7 +494,7 @@ class Uploader:
         else:
             why = (f"the upload had not finished when close() ended it; it writes no manifest, so step {step} is "
                    f"not in the persistent tier (its previous persistent step stands)")
-            self._publish_failure(step, CANCELLED)
+            self._publish_failure(step, CANCELLED, timeline)
         if done is not None:
             done(why)
         return why

@@ -213,7 +213,8 @@ class SavePipeline:
             durable = on_disk  # one rank: its local commit is the global one
         else:
             try:
-                durable = StoreCoordinator(store, self.rank, timeout=10).settle(step, reason) == Outcome.COMMITTED.value
+                coord = StoreCoordinator(store, self.rank, timeout=10).at(job.timeline)
+                durable = coord.settle(step, reason) == Outcome.COMMITTED.value
             except Exception:  # noqa: BLE001 - the store is gone too: the other ranks time out instead
                 return False
             if durable and not on_disk:  # counted only after the commit: cannot happen

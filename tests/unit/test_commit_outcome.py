@@ -44,6 +44,25 @@ def test_commits_in_time_are_durable_for_every_rank(two_ranks):
     assert r0.store.get("incluster/outcome-test/latest").decode() == "7"
 
 
+def test_a_step_number_saved_again_after_a_load_is_decided_by_its_own_commits(two_ranks):
+    """Step 7 is durable; a load() goes back past it (every copy of it lost) and the ranks
+    save a step 7 again. That one is a new step: one rank's commit does not complete it,
+    one rank's failure fails it, and the first step 7's verdict stands as it was."""
+    r0, r1 = two_ranks
+    for r in (r0, r1):
+        r.committed(7)
+    r0.wait_outcome(7, timeout=5)
+    again0, again1 = r0.at(1), r1.at(1)  # after the ranks' first load()
+    again0.committed(7)
+    with pytest.raises(PeerTimeoutError, match="1 of 2 copies committed"):
+        again0.wait_outcome(7, timeout=0.5)  # read under the first step 7's keys: "ok" at once
+    assert again1.failed(7, "save() raised on rank 1").startswith("fail:0:")  # rank 0 gave up first
+    r0.wait_outcome(7, timeout=5)  # the first one stays durable
+    for r in (r0, r1):  # and the keys of every later load() are apart again
+        r.at(2).committed(7)
+    r1.at(2).wait_outcome(7, timeout=5)
+
+
 def test_a_dead_writers_step_is_settled_complete_when_every_copy_was_counted(two_ranks):
     """Rank 1's writer counted the last copy of step 9 and died before publishing it:
     every copy is committed, so the step is complete for every rank, not failed."""
@@ -88,6 +107,33 @@ def test_an_upload_failing_on_one_rank_fails_it_on_every_rank_at_once(two_ranks,
     assert time.monotonic() - t0 < 15
     assert "refused write" in told[1] and told[0].startswith("rank 1: ")
     assert not os.path.exists(os.path.join(root, "j", "step-000000000003", "COMMITTED.json"))
+
+
+def test_a_step_uploaded_again_after_a_load_gets_its_own_manifest(two_ranks, tmp_path):
+    """Step 3 was uploaded; a load() went back past it and the ranks upload a step 3 again.
+    Counted under the first one's keys, the count passed the world size without ever
+    equalling it: no manifest, and every rank read the first upload's "ok"."""
+    import json as _json
+    import queue
+
+    from incluster.persist import PersistParams, Uploader
+    from incluster.tiers.persistent import FsspecTier
+
+    root = tmp_path / "persist"
+    manifest = root / "j" / "step-000000000003" / "COMMITTED.json"
+    for timeline, fill in ((0, b"A"), (1, b"B")):
+        words: queue.Queue = queue.Queue()
+        for rank, coord in enumerate(two_ranks):
+            up = Uploader(PersistParams(url=FsspecTier(str(root)), job="j", rank=rank, world_size=2, timeout_s=60),
+                          coord)
+            up.loaded = timeline > 0
+            sidecar = _json.dumps({"checksum": f"{timeline}{rank}"}).encode()
+            up.start(3, sidecar, bytearray(fill * 64), 64, lambda err, rank=rank: words.put((rank, err)), timeline)
+        told = dict(words.get(timeout=30) for _ in range(2))
+        assert told == {0: None, 1: None}, told
+        ranks = _json.loads(manifest.read_text())["ranks"]
+        assert [r["checksum"] for r in ranks] == [f"{timeline}0", f"{timeline}1"], ranks
+    assert (root / "j" / "step-000000000003" / "rank-00001.safetensors").read_bytes() == b"B" * 64
 
 
 def test_no_rank_writes_a_step_before_rank_0_found_it_free(two_ranks, tmp_path):
@@ -191,6 +237,9 @@ def test_a_replication_that_breaks_keeps_the_replicas_unless_the_step_failed(tmp
             self.dropped.append(step)
 
     class Coord:
+        def at(self, timeline):
+            return self
+
         def failed(self, step, reason):
             if verdict is None:
                 raise RuntimeError("Broken pipe")  # the store is gone
@@ -221,6 +270,6 @@ def test_a_store_lost_while_deciding_a_timed_out_step_leaves_its_outcome_unknown
             raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
 
     coord = object.__new__(StoreCoordinator)
-    coord.addr, coord.rank, coord._p, coord.store = StoreAddress("h", 1, "j", 2, 2), 1, "incluster/j/", Store()
+    coord.addr, coord.rank, coord._p, coord._base, coord.store = StoreAddress("h", 1, "j", 2, 2), 1, "incluster/j/", "incluster/j/", Store()
     with pytest.raises(StoreLostError, match="while deciding step 3 after a timeout"):
         coord.wait_outcome(3, 0.1)

@@ -143,7 +143,8 @@ class ProcessWriter:
             from incluster.commit import StoreCoordinator
 
             try:
-                StoreCoordinator(self.params.store, self.params.rank, timeout=10).failed(step, reason)
+                coord = StoreCoordinator(self.params.store, self.params.rank, timeout=10)
+                coord.at(0 if seq is None else seq[2]).failed(step, reason)
             except Exception:  # noqa: BLE001 - the store is gone too; peers time out instead
                 pass
 

@@ -40,6 +40,9 @@ class _NoCount:
     def failed(self, step: int, reason: str) -> str:
         return "fail"
 
+    def at(self, timeline: int) -> _NoCount:
+        return self
+
 
 class CommitService:
     def __init__(self, params: WriterParams) -> None:
@@ -50,11 +53,15 @@ class CommitService:
         self._maps_lock = threading.Lock()
         self.on_unmap: Callable[[mmap.mmap], None] | None = None  # before a mapping is closed
         self._outcomes: list[int] = []  # the first two durable steps this writer saw
+        # load() calls before the newest save this writer heard of: a step's keys in the job
+        # store are those of its timeline (Coordinator.at). Passed along with each step
+        # where the caller knows it; this one for the rest (a step this rank skipped).
+        self.timeline = 0
         # Called (commit thread) for a step the others saved and this rank skipped, before this
         # rank's next exchange: the writer takes part in its exchange with nothing to send.
         self.on_skipped: Callable[[int], None] | None = None
         self.sequence = None if params.store is None else SaveSequence(
-            params.rank, self.coord.successor, self.fail, self._skipped)
+            params.rank, self.coord.successor, self._fail_skipped, self._skipped)
         self.uploader = None
         if params.persist is not None:
             from incluster.persist import Uploader
@@ -85,6 +92,7 @@ class CommitService:
 
         Returns the shard path, what :meth:`replicate` and :meth:`upload` need, and whether
         this step goes to the persistent tier (its slot stays pinned until the upload ends)."""
+        self.timeline = req.timeline
         try:
             ordinal = req.ordinal
             # first: a step that fails later still has its place in the sequence
@@ -95,9 +103,9 @@ class CommitService:
                 buf = self._map(req) if req.size else b""
             path, sidecar = commit_shard(req, buf)
         except BaseException as exc:
-            self.fail(req.step, f"{type(exc).__name__}: {exc}")
+            self.fail(req.step, f"{type(exc).__name__}: {exc}", req.timeline)
             raise
-        self.coord.committed(req.step)
+        self.coord.at(req.timeline).committed(req.step)
         faults.check("counted", req.rank, req.step)
         import json
 
@@ -109,6 +117,10 @@ class CommitService:
         if persist:
             self.uploader.loaded = req.loaded  # type: ignore[union-attr]
         return path, own, persist
+
+    def _fail_skipped(self, step: int, why: str) -> bool:
+        assert self.sequence is not None
+        return self.fail(step, why, self.sequence.timeline)
 
     def _skipped(self, step: int) -> None:
         if self.on_skipped is not None:
@@ -131,26 +143,30 @@ class CommitService:
                         self.params.rank, step, err)
         return True
 
-    def upload(self, step: int, own: Any, done: Any) -> bool:
+    def _timeline(self, timeline: int | None) -> int:
+        return self.timeline if timeline is None else timeline
+
+    def upload(self, step: int, own: Any, done: Any, timeline: int | None = None) -> bool:
         """Start the persistent upload of a committed shard; False if skipped."""
         if self.uploader is None:
             return False
-        return self.uploader.start(step, own.sidecar, own.buf, own.size, done)
+        return self.uploader.start(step, own.sidecar, own.buf, own.size, done, self._timeline(timeline))
 
-    def replicate(self, step: int, own: Any) -> None:
+    def replicate(self, step: int, own: Any, timeline: int | None = None) -> None:
         """Exchange ``step``'s replicas with this rank's partners (``own`` None: nothing to
         send, but still take part, so no partner waits). Failures fail the step."""
         if self.replicator is None:
             return
+        timeline = self._timeline(timeline)
         try:
             faults.check("replicate", self.params.rank, step)
-            self.replicator.exchange(step, own, self.coord)
+            self.replicator.exchange(step, own, self.coord.at(timeline))
         except BaseException as exc:
             # Only a step known to have failed loses the replicas held here: one already
             # durable (this exchange broke after counting it, e.g. as rank 0's process ended
             # and took the job store along) or whose outcome the lost store leaves unknown
             # keeps them - they may be the only copies of a rank's shard after a node loss.
-            if self.fail(step, f"replication: {type(exc).__name__}: {exc}"):
+            if self.fail(step, f"replication: {type(exc).__name__}: {exc}", timeline):
                 self.on_failed(step)
             raise
         if own is None:  # this rank failed the step: it can never be complete anywhere
@@ -225,23 +241,24 @@ class CommitService:
         if self.replicator is not None:
             self.replicator.discard(step)
 
-    def fail(self, step: int, reason: str) -> bool:
+    def fail(self, step: int, reason: str, timeline: int | None = None) -> bool:
         """Publish ``step``'s failure (first verdict wins); whether it is now known failed
         (False: it was durable already, or the store is gone and nobody can tell)."""
+        timeline = self._timeline(timeline)
         try:
-            known = str(self.coord.failed(step, reason)).startswith(Outcome.FAILED.value)
+            known = str(self.coord.at(timeline).failed(step, reason)).startswith(Outcome.FAILED.value)
         except Exception:  # noqa: BLE001 - the store may be gone; peers then time out instead
             return False
         if known and self.uploader is not None:  # a durable step's upload goes on
             try:
-                self.uploader.failed_step(step)
+                self.uploader.failed_step(step, timeline)
             except Exception:  # noqa: BLE001 - the other ranks' uploads of it time out instead
                 pass
         return known
 
-    def wait_outcome(self, step: int) -> None:
+    def wait_outcome(self, step: int, timeline: int | None = None) -> None:
         faults.check("outcome", self.params.rank, step)
-        self.watch.wait_outcome(step, self.params.outcome_timeout_s)
+        self.watch.at(self._timeline(timeline)).wait_outcome(step, self.params.outcome_timeout_s)
 
     def _map(self, req: CommitRequest) -> mmap.mmap:
         # Hashed already (a GPU save): nothing reads it all now, so no page-table pass either.

@@ -51,17 +51,17 @@ class ThreadWriter:
             local.set_exception(exc)
             outcome.set_exception(exc)
             if self._service.exchanged(req.step, req.place):  # partners must not wait
-                self._repl.submit(self._replicate, req.step, None)
+                self._repl.submit(self._replicate, req.step, None, req.timeline)
             return
         local.set_result((path, persist))
-        if persist and not self._service.upload(req.step, own, lambda err: self._persisted(req.step, err)):
+        if persist and not self._service.upload(req.step, own, lambda err: self._persisted(req.step, err), req.timeline):
             self._persisted(req.step, "skipped: the previous upload was still running")
-        self._repl.submit(self._replicate_then_watch, req.step, own, outcome)
+        self._repl.submit(self._replicate_then_watch, req.step, own, outcome, req.timeline)
 
-    def _replicate_then_watch(self, step: int, own: object, outcome: "Future[None]") -> None:
-        self._replicate(step, own)
+    def _replicate_then_watch(self, step: int, own: object, outcome: "Future[None]", timeline: int) -> None:
+        self._replicate(step, own, timeline)
         try:
-            self._watch.submit(self._await, step, outcome)
+            self._watch.submit(self._await, step, outcome, timeline)
         except RuntimeError:  # closed while this commit was finishing
             outcome.set_exception(CheckpointError(f"the writer closed before step {step}'s outcome"))
 
@@ -69,15 +69,17 @@ class ThreadWriter:
         if self._on_persisted is not None:
             self._on_persisted(step, err)
 
-    def _replicate(self, step: int, own: object) -> None:
+    def _replicate(self, step: int, own: object, timeline: int | None = None) -> None:
+        """``timeline``: the step's load() count (None: the newest save's), which keys it in
+        the job store."""
         try:
-            self._service.replicate(step, own)
+            self._service.replicate(step, own, timeline)
         except Exception:  # noqa: BLE001 - published as the step's failure; the outcome says so
             pass
 
-    def _await(self, step: int, outcome: "Future[None]") -> None:
+    def _await(self, step: int, outcome: "Future[None]", timeline: int) -> None:
         try:
-            self._service.wait_outcome(step)
+            self._service.wait_outcome(step, timeline)
             self._service.on_outcome(step)
         except BaseException as exc:  # noqa: BLE001
             if not isinstance(exc, StoreLostError):  # outcome unknown: the replicas held here stay
@@ -98,7 +100,7 @@ class ThreadWriter:
         self._commit.submit(self._repl.submit, run)  # in order behind commits in flight
 
     def fail(self, step: int, reason: str, seq: tuple[int, int, int] | None = None) -> None:
-        self._service.fail(step, reason)
+        self._service.fail(step, reason, None if seq is None else seq[2])
         try:
             # Partners must not wait for us; queued behind commits in flight, so steps are
             # exchanged in order.
@@ -111,7 +113,7 @@ class ThreadWriter:
 
     def _failed_in_order(self, step: int, seq: tuple[int, int, int] | None) -> None:
         if self._service.exchanged(step, seq):
-            self._repl.submit(self._replicate, step, None)
+            self._repl.submit(self._replicate, step, None, None if seq is None else seq[2])
 
     def close(self, timeout: float) -> None:
         self._commit.shutdown(wait=True)

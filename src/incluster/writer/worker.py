@@ -61,13 +61,14 @@ def serve(conn: Connection) -> None:
         return
     send(Message(Kind.HELLO, gen, payload=os.getpid()))
 
-    outcomes: "queue.Queue[tuple[int, int] | None]" = queue.Queue()
+    # (seq, step, timeline): the step's load() count, which keys it in the job store
+    outcomes: "queue.Queue[tuple[int, int, int | None] | None]" = queue.Queue()
 
     def watch() -> None:
         while (item := outcomes.get()) is not None:
-            seq, step = item
+            seq, step, timeline = item
             try:
-                service.wait_outcome(step)
+                service.wait_outcome(step, timeline)
                 service.on_outcome(step)
                 send(Message(Kind.OUTCOME, gen, seq, step))
             except Exception as exc:  # noqa: BLE001 - sent back, raised in the trainer
@@ -85,10 +86,10 @@ def serve(conn: Connection) -> None:
         while (job := replicas.get()) is not None:
             job()
 
-    def exchange(seq: int, step: int, own: object, watched: bool) -> None:
-        _replicate(service, step, own)  # a failure here fails the step's outcome
+    def exchange(seq: int, step: int, own: object, watched: bool, timeline: int | None) -> None:
+        _replicate(service, step, own, timeline)  # a failure here fails the step's outcome
         if watched:
-            outcomes.put((seq, step))
+            outcomes.put((seq, step, timeline))
 
     def re_replicate(step: int, folder: str) -> None:
         try:
@@ -125,10 +126,10 @@ def serve(conn: Connection) -> None:
             path, own, persist = service.commit(req)
         except Exception as exc:  # noqa: BLE001
             if err is not None or digests is not None:  # before service.commit, which publishes its own
-                service.fail(step, f"{type(exc).__name__}: {exc}")
+                service.fail(step, f"{type(exc).__name__}: {exc}", req.timeline)
             send(Message(Kind.ERROR, gen, seq, step, error=str(exc), error_type=type(exc).__name__))
             if service.exchanged(step, req.place):  # partners must not wait for us
-                replicas.put(partial(exchange, seq, step, None, False))
+                replicas.put(partial(exchange, seq, step, None, False, req.timeline))
             return
         send(Message(Kind.LOCAL_DONE, gen, seq, step, payload=(path, persist)))
         if persist:
@@ -136,17 +137,18 @@ def serve(conn: Connection) -> None:
             def uploaded(err: str | None) -> None:
                 send(Message(Kind.PERSISTED, gen, seq, step, error=err))
 
-            if not service.upload(step, own, uploaded):
+            if not service.upload(step, own, uploaded, req.timeline):
                 uploaded("skipped: the previous upload was still running")
-        replicas.put(partial(exchange, seq, step, own, True))
+        replicas.put(partial(exchange, seq, step, own, True, req.timeline))
 
     def failed(seq: int, step: int, reason: str, order: tuple[int, int, int] | None) -> None:
-        service.fail(step, reason)
+        timeline = None if order is None else order[2]
+        service.fail(step, reason, timeline)
         if service.exchanged(step, order):
-            replicas.put(partial(exchange, seq, step, None, False))
+            replicas.put(partial(exchange, seq, step, None, False, timeline))
 
     # A step the others saved and this rank skipped: take part in its exchange, sending nothing.
-    service.on_skipped = lambda step: replicas.put(partial(exchange, 0, step, None, False))
+    service.on_skipped = lambda step: replicas.put(partial(exchange, 0, step, None, False, None))
 
     committer = threading.Thread(target=commit, name="incluster-commit", daemon=True)
     committer.start()
@@ -211,9 +213,9 @@ def serve(conn: Connection) -> None:
             return
 
 
-def _replicate(service: object, step: int, own: object) -> None:
+def _replicate(service: object, step: int, own: object, timeline: int | None) -> None:
     try:
-        service.replicate(step, own)  # type: ignore[attr-defined]
+        service.replicate(step, own, timeline)  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - published as the step's failure; the outcome reports it
         pass
 
