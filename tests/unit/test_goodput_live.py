@@ -37,6 +37,47 @@ for step in range(100):
 """
 
 
+LONG_STEPS = """
+import os, signal, sys, time
+import torch
+import incluster
+
+local_dir, run_dir, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = torch.nn.Linear(16, 16)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = {"model": model, "opt": opt}
+ck = incluster.Checkpointer(local_dir=local_dir, job="g", writer="thread", run_dir=run_dir)
+start = ck.load(state)
+if attempt == 1:
+    ck.close()
+    sys.exit(0)
+for step in range(100):
+    if step == 2:
+        ck.save(step, state).wait()
+        saved = time.time()
+    model(torch.randn(4, 16)).sum().backward()
+    time.sleep(0.9)  # a long forward and backward
+    if step > 2 and time.time() - saved >= 2.7:
+        os.kill(os.getpid(), signal.SIGKILL)  # 0.9 s into a step; 2.7 s after the save, all lost
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_inside_a_long_step_loses_the_step_begun_too(local_dir, tmp_path: Path) -> None:
+    """Steps of 0.9 s, killed 0.9 s into one, 2.7 s after the last save: the recorder's
+    `alive` events said when the latest step began, so the report took the process for
+    dead 0.9 s before the kill and counted that part of the lost work as restart."""
+    run_dir = tmp_path / "run"
+    for attempt in (0, 1):
+        p = subprocess.run([sys.executable, "-c", LONG_STEPS, local_dir, str(run_dir), str(attempt)],
+                           capture_output=True, text=True, timeout=90)
+        assert p.returncode == (-9 if attempt == 0 else 0), p.stderr[-3000:]
+    lost = build_report(run_dir).to_dict()["badput_s"]["lost_progress"]
+    assert 2.2 - 0.05 <= lost <= 2.8, lost  # at most 0.5 s (the recorder's interval) short of 2.7 s
+
+
 @pytest.mark.timeout(120)
 def test_work_since_the_last_save_that_a_sigkill_lost_is_lost_progress_without_record_step(local_dir, tmp_path: Path) -> None:
     """No record_step() calls: the report used to see progress only at saves, so the

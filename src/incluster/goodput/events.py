@@ -17,10 +17,13 @@ there would hand the interpreter lock to the staging thread it just started for 
 switch interval (5 ms) - ten times what ``save()`` itself blocks. A writer thread of the
 recorder writes the lines: at once (within milliseconds) for a checkpoint-scale event
 (anything but ``train_step``), every ``flush_every`` events, and every ``flush_interval_s``.
-It also writes an ``alive`` event each interval in which an optimizer step began (the
-Checkpointer's pre-step hook calls :meth:`EventRecorder.alive`), so a SIGKILLed process is
+It also writes an ``alive`` event each interval while training runs: the Checkpointer's
+optimizer pre-step hook calls :meth:`EventRecorder.alive` as each step begins, and while
+the latest step began less than two step times (plus an interval) ago the process counts
+as training at the moment of the write; a step that long ago or older means a pause (an
+evaluation, a hang), and the event says when that step began. So a SIGKILLed process is
 known to have been training until at most ``flush_interval_s`` before it died, with or
-without ``train_step`` events. The data reach the kernel (``write``), not the disk (no
+without ``train_step`` events, however long its steps are. The data reach the kernel (``write``), not the disk (no
 ``fsync``): a killed process loses nothing that was written; only a crashed kernel could.
 """
 
@@ -61,8 +64,9 @@ LOAD = "load"
 #: Training finished a step: its optimizer update is applied. Fields: ``step``. Optional;
 #: with it, lost progress is measured to the step instead of to the last save.
 TRAIN_STEP = "train_step"
-#: Training was running: ``t`` is when the latest optimizer step began (written by the
-#: recorder at most every ``flush_interval_s``). No fields.
+#: Training was running at ``t``: the write's own time while steps keep beginning, else
+#: when the latest optimizer step began (written by the recorder at most every
+#: ``flush_interval_s``). No fields.
 ALIVE = "alive"
 #: The run finished cleanly (``Checkpointer.close()`` after the last step). No fields.
 END = "end"
@@ -112,6 +116,7 @@ class EventRecorder:
         self._wake = threading.Event()
         self._closed = False
         self._alive_t = 0.0  # when the latest optimizer step began (alive())
+        self._step_s = 0.0  # the time between the last two steps' beginnings
         self._alive_told = 0.0
         self.dropped = 0  # events lost to an I/O error or recorded after close(); never raised
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,8 +147,11 @@ class EventRecorder:
             self._wake.set()
 
     def alive(self) -> None:
-        """Training is running (an optimizer step begins): a plain store, no I/O."""
-        self._alive_t = self._clock()
+        """Training is running (an optimizer step begins): plain stores, no I/O."""
+        now = self._clock()
+        if self._alive_t:
+            self._step_s = now - self._alive_t
+        self._alive_t = now
 
     def _run(self) -> None:
         while not self._closed:
@@ -166,15 +174,19 @@ class EventRecorder:
         with self._lock:
             if self._file is None:
                 return
-            self._write_locked()
+            self._write_locked(closing=True)
             try:
                 self._file.close()
             except OSError:
                 pass
             self._file = None
 
-    def _write_locked(self) -> None:
+    def _write_locked(self, closing: bool = False) -> None:
         alive = self._alive_t
+        if alive and not closing:
+            now = self._clock()
+            if now - alive <= 2 * self._step_s + self._flush_interval_s:
+                alive = now  # inside a step (or between two): training until now
         if alive > self._alive_told:
             self._alive_told = alive
             self._pending.append(json.dumps({"t": alive, "kind": ALIVE, "rank": self.rank, "pid": self.pid},
