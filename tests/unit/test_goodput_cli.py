@@ -103,3 +103,30 @@ def test_plan_past_the_models_range_never_shows_a_negative_share_and_says_no_pro
     out = json.loads(p.stdout)
     assert out["plan"]["badput_pct"]["checkpoint_save"] >= 0
     assert any("makes no progress" in w for w in out["warnings"]), out["warnings"]
+
+
+def test_plan_refuses_what_it_cannot_plan_naming_the_flag() -> None:
+    """nan and inf printed tables of nan with exit 0; a negative cost was "not a number";
+    --persistent-every was ignored where every save goes to persistent storage."""
+    base = ("plan", "--gpus", "8", "--interruptions-per-day", "5")
+    for extra, said in ((("--restart-s", "nan"), "--restart-s: must be a finite number"),
+                        (("--interval-s", "nan"), "--interval-s: must be a finite number"),
+                        (("--restart-s", "-1"), "--restart-s must be >= 0"),
+                        (("--config", "async save", "--persistent-every", "5"), "--persistent-every applies to")):
+        p = run(*base, *extra)
+        assert p.returncode == 2 and said in p.stderr, (extra, p.returncode, p.stderr)
+    p = run("plan", "--gpus", "8", "--interruptions-per-day", "inf")
+    assert p.returncode == 2 and "--interruptions-per-day: must be a finite number" in p.stderr, p.stderr
+
+
+def test_plan_warns_when_the_persistent_tier_cannot_take_the_saves_asked_for() -> None:
+    """--persistent-every 1 asks for an upload every save, closer than an upload takes: the
+    library skips uploads then, so the plan's lost work was optimistic and unflagged."""
+    p = run("plan", "--gpus", "1000", "--interruptions-per-day", "5", "--persistent-every", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    said = [w for w in json.loads(p.stdout)["warnings"] if "persistent tier gets one save in 1 " in w]
+    assert said and "raise --persistent-every to at least" in said[0], json.loads(p.stdout)["warnings"]
+    p = run("plan", "--gpus", "1000", "--interruptions-per-day", "1000000")
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    assert "leave out --interval-s" not in text and "no interval does better" in text, text

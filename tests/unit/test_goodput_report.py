@@ -153,6 +153,36 @@ def test_falling_back_to_an_older_step_loses_two_attempts(tmp_path: Path) -> Non
     assert r.goodput_s == pytest.approx(5 + 8) == 40 - 8 - 16 - 3
 
 
+def test_a_last_attempt_without_end_shows_the_work_a_restart_would_lose(tmp_path: Path) -> None:
+    """Read right after a crash, before any restart: nothing is lost progress yet (no
+    load says what was restored), and the report said 99 % goodput with no word more.
+    Now each rank whose last process has no end shows the work since its newest durable
+    step; the rendered report says it."""
+    import io
+
+    from rich.console import Console
+
+    from incluster.goodput.report import render
+
+    write(tmp_path, 0, 1, [(0, "start", {}), (1, "load", {"step": None, "seconds": 0}),
+                           *steps(0, [2, 3, 4]),
+                           (4.5, "save", {"step": 2, "blocked_s": 0.5}),
+                           (5, "durable", {"step": 2, "tier": "global", "seconds": 1}),
+                           *steps(3, [5.5, 6.5]),
+                           (7, "save", {"step": 4, "blocked_s": 0.25}),  # never durable
+                           *steps(5, [8, 9]), (9.4, "alive", {})])
+    write(tmp_path, 1, 2, [(0, "start", {}), *steps(0, [2, 3]), (9.4, "end", {})])
+    r = build_report(tmp_path)
+    # held step 2 at t=4; both saves' blocked time after that stays save time
+    assert r.unfinished == pytest.approx({0: 9.4 - 4 - 0.5 - 0.25})
+    assert r.badput_s["lost_progress"] == 0
+    out = io.StringIO()
+    render(r, Console(file=out, width=300))
+    assert "rank 0: the last process recorded no end (killed, or still running)" in out.getvalue()
+    assert "4.65 s since its newest durable step" in out.getvalue()
+    assert json.loads(json.dumps(r.to_dict()))["unfinished"] == {"0": pytest.approx(4.65)}
+
+
 def test_damaged_middle_line_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "events-rank00000-pid7.jsonl").write_text(
         '{"t": 0, "kind": "start"}\nnot json\n{"t": 2, "kind": "end"}\n')

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from typing import Any, Callable
@@ -19,20 +20,38 @@ from incluster.goodput.model import ModelConfig, ModelResult, evaluate, young_in
 from incluster.goodput.scenarios import CONFIGURATIONS, INCLUSTER, Costs
 
 
+def _finite(text: str) -> float:
+    """A flag's number: nan and inf are refused (argparse names the flag)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return x
+
+
 def _costs_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (defaults: measured medians; docs/goodput.md names the source of each)")
     g.add_argument("--costs", metavar="FILE", help="JSON object of cost name: number")
     for key in Costs.keys():
-        g.add_argument(f"--{key.replace('_', '-')}", dest=f"cost_{key}", type=float,
+        g.add_argument(f"--{key.replace('_', '-')}", dest=f"cost_{key}", type=_finite,
                        metavar="X", help=f"default {getattr(Costs(), key):g}")
-    g.add_argument("--state-gib", type=float, default=1.0,
+    g.add_argument("--state-gib", type=_finite, default=1.0,
                    help="checkpointed state per rank in GiB (default 1)")
 
 
 def _costs(args: argparse.Namespace) -> Costs:
     costs = Costs.from_json(args.costs) if args.costs else Costs()
     flags = {k: getattr(args, f"cost_{k}") for k in Costs.keys()}
-    return costs.updated({k: v for k, v in flags.items() if v is not None})
+    try:
+        return costs.updated({k: v for k, v in flags.items() if v is not None})
+    except ValueError as exc:  # name the flags, not the fields
+        text = str(exc)
+        for k in Costs.keys():
+            if flags[k] is not None:
+                text = text.replace(f"cost {k} ", f"--{k.replace('_', '-')} ")
+        raise ValueError(text) from None
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -64,15 +83,27 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def plan_config(args: argparse.Namespace) -> ModelConfig:
     """The model config ``plan`` evaluates: a named configuration with the user's overrides."""
+    if not args.interruptions_per_day > 0:
+        raise ValueError(f"--interruptions-per-day must be > 0, got {args.interruptions_per_day:g}")
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
     cfg = scenarios.build(args.config, _costs(args), state_gib=args.state_gib,
                           interruptions_per_day=args.interruptions_per_day, gpus=args.gpus)
     if args.persistent_every is not None:
+        if not any(t.name == "persistent" and i > 0 for i, t in enumerate(cfg.tiers)):
+            raise ValueError(f"--persistent-every applies to a persistent tier beside faster ones "
+                             f"(--config {INCLUSTER}); in {args.config!r} every save goes to persistent "
+                             f"storage: leave it out")
+        if args.persistent_every < 1:
+            raise ValueError(f"--persistent-every must be >= 1, got {args.persistent_every}")
         tiers = tuple(
             replace(t, every=args.persistent_every) if t.name == "persistent" and i > 0 else t
             for i, t in enumerate(cfg.tiers)
         )
         cfg = replace(cfg, tiers=tiers)
     if args.interval_s is not None:
+        if not args.interval_s > 0:
+            raise ValueError(f"--interval-s must be > 0, got {args.interval_s:g}")
         cfg = replace(cfg, interval_s=args.interval_s)
     return cfg
 
@@ -89,12 +120,22 @@ def plan_warnings(cfg: ModelConfig, r: ModelResult) -> list[str]:
         out.append(f"the {t0.name} tier takes every save but a save is ready there only "
                    f"{t0.time_to_recoverable_s:.2f} s after it starts: saves {tau:g} s apart would wait for "
                    f"the one before (save() blocks), which the model does not count")
+    for t, k, period in zip(cfg.tiers[1:], r.tier_every[1:], r.tier_interval_s[1:]):
+        if period < t.time_to_recoverable_s * (1 - 1e-9):
+            out.append(f"the {t.name} tier gets one save in {k} ({period:.2f} s apart) but a save is ready there "
+                       f"only {t.time_to_recoverable_s:.2f} s after it starts: incluster skips an upload while the "
+                       f"last one runs, so fewer saves reach it than planned, and its lost work is more than shown "
+                       f"(raise --persistent-every to at least {math.ceil(t.time_to_recoverable_s / period * k)})")
+    every = 1 / cfg.rate_per_s
     if cfg.rate_per_s * (tau + cfg.blocking_s) > 0.5:
-        out.append(f"failures come every {1 / cfg.rate_per_s:.0f} s on average, within about two intervals: the "
+        out.append(f"failures come every {_secs(every)} on average, within about two intervals: the "
                    f"first-order model (Young/Daly) is outside its range and its numbers are rough at best")
     if r.badput >= 1.0:
+        fix = ("save more often (leave out --interval-s for the best interval)" if cfg.interval_s is not None
+               else "no interval does better: saves are already a step apart, so the job needs fewer failures or "
+                    "cheaper saves and restarts")
         out.append(f"the model's badput adds up to {100 * r.badput:.0f} % at this interval: read it as a job that "
-                   f"makes no progress, and save more often (leave out --interval-s for the best interval)")
+                   f"makes no progress; {fix}")
     return out
 
 
@@ -229,10 +270,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="recommended interval per tier and expected badput")
     pl.add_argument("--gpus", type=int, required=True)
-    pl.add_argument("--interruptions-per-day", type=float, required=True)
+    pl.add_argument("--interruptions-per-day", type=_finite, required=True)
     pl.add_argument("--config", choices=CONFIGURATIONS, default=INCLUSTER,
                     help=f"configuration to plan (default {INCLUSTER!r})")
-    pl.add_argument("--interval-s", type=float, help="evaluate this interval instead")
+    pl.add_argument("--interval-s", type=_finite, help="evaluate this interval instead")
     pl.add_argument("--persistent-every", type=int, help="fix every how many saves persist")
     pl.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _costs_flags(pl)

@@ -72,7 +72,7 @@ ALIVE = "alive"
 END = "end"
 
 KINDS = (START, SAVE, STAGED, STAGE_WAIT, DURABLE, SAVE_FAILED, PERSIST_FAILED, LOAD, TRAIN_STEP, ALIVE, END)
-TIERS = ("local", "replica", "persistent")
+TIERS = ("local", "global", "persistent")  # global: complete on every rank (replicas included)
 
 #: Kinds that are written at once: they are rare (checkpoint-scale) and the report needs them.
 _IMMEDIATE = frozenset(KINDS) - {TRAIN_STEP, ALIVE}

@@ -89,8 +89,9 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> int:
 
     Each attempt is a grey bar from its start to its last event; saves are blue ticks
     (width: time blocked), durable events green dots, loads orange bars, restarts purple
-    triangles, failed saves red crosses, and an attempt that ended without ``end`` (a
-    failure) a black cross at its last event.
+    triangles, failed saves red crosses, an attempt that ended without ``end`` and was
+    followed by another (a failure) a black cross at its last event, and a rank's last
+    attempt without ``end`` (killed, or still running when read) a hollow black circle.
     """
     runs = read_run(run_dir)
     t0 = min(a.start_t for attempts in runs.values() for a in attempts)
@@ -132,6 +133,10 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> int:
                 drawn += 1
             if not a.ended and a is not attempts[-1]:
                 ax.plot(a.last_t - t0, y, "kx", markersize=9, label=label("failure"))
+                drawn += 1
+            elif not a.ended:
+                ax.plot(a.last_t - t0, y, "o", color="k", mfc="none", markersize=8,
+                        label=label("no end (killed, or running)"))
                 drawn += 1
     ax.set_yticks(range(len(runs)), [f"rank {r}" for r in runs])
     ax.set_xlabel("seconds since the run began")

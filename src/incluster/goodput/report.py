@@ -95,6 +95,22 @@ def _busy(a: Attempt, lo: float, hi: float) -> float:
     return total
 
 
+def at_risk(a: Attempt) -> float | None:
+    """An attempt with no ``end`` (killed, or still running when read): the seconds of
+    work since it held its newest durable step (its restored step if none became durable),
+    which a restart now would lose; None for an attempt that ended cleanly. Counted as
+    goodput until a later attempt shows what was restored."""
+    if a.ended:
+        return None
+    durable = [e.get("step") for e in a.of(ev.DURABLE)]
+    steps = [s for s in durable if isinstance(s, int)]
+    newest = max(steps) if steps else _restored_step(a)
+    marks = _marks(a)
+    held = [t for s, t in marks if newest is not None and s <= newest]
+    t_ref = max(held) if held else min((t for _, t in marks), default=a.last_t)
+    return max(0.0, a.last_t - t_ref - _busy(a, t_ref, a.last_t))
+
+
 def account_rank(attempts: list[Attempt], t0: float, t1: float) -> dict[str, float]:
     """Seconds per category (and ``goodput``) for one rank within the window [t0, t1]."""
     acc = dict.fromkeys(CATEGORIES, 0.0)
@@ -217,6 +233,10 @@ class GoodputReport:
     """Files whose torn last line was skipped."""
     per_rank: dict[int, dict[str, float]] = field(default_factory=dict)
     """Seconds per category and ``goodput`` for each rank."""
+    unfinished: dict[int, float] = field(default_factory=dict)
+    """Ranks whose last attempt recorded no ``end`` (killed, or still running when read):
+    the seconds since its newest durable step that a restart would lose (:func:`at_risk`).
+    They are in ``goodput_s`` until a later attempt restores."""
 
     @property
     def goodput_pct(self) -> float:
@@ -256,7 +276,12 @@ def build_report(run_dir: str | Path) -> GoodputReport:
         checkpoints=checkpoint_stats(runs),
         truncated_files=sum(a.truncated for attempts in runs.values() for a in attempts),
         per_rank=per_rank,
+        unfinished={r: risk for r, attempts in runs.items() if (risk := at_risk(attempts[-1])) is not None},
     )
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ", ".join(map(str, ranks))
 
 
 def _fmt(x: float | None, unit: str = "s") -> str:
@@ -286,6 +311,14 @@ def render(report: GoodputReport, console: Any = None) -> None:
     console.print(bad)
     console.print("restart: from a process's last event to its successor's first (relaunch, imports, process "
                   "group, model build); the restore itself is checkpoint load", style="dim")
+    if report.unfinished:
+        ranks = sorted(report.unfinished)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks ({_span(ranks)})"
+        risk = sum(report.unfinished.values()) / len(ranks)
+        console.print(f"{who}: the last process recorded no end (killed, or still running): if it was killed, "
+                      f"the {risk:.2f} s since its newest durable step{' (mean)' if len(ranks) > 1 else ''} "
+                      f"are lost too; they count as goodput here until a restart's load shows what was restored",
+                      style="yellow")
     c = report.checkpoints
     st = Table(title="checkpoints")
     for col in ("metric", "count", "p50", "p99"):
@@ -313,6 +346,7 @@ __all__ = [
     "CheckpointStats",
     "GoodputReport",
     "account_rank",
+    "at_risk",
     "build_report",
     "checkpoint_stats",
     "percentile",
