@@ -26,9 +26,41 @@ from incluster import dtensor
 from incluster.errors import CheckpointError
 from incluster.format.dtypes import DTYPE_TO_NAME, dtype_name
 from incluster.format.layout import TensorSpec
+from incluster.format.tree import MAX_NODES
 from incluster import guard
 
 _SCALARS = (str, int, bool, type(None))
+# The deepest nesting save() takes: a reader refuses a tree deeper than format.tree's
+# MAX_DEPTH (200) as not written by incluster, and the tree is pickled to a writer
+# process, four containers a level, under Python's recursion limit.
+MAX_SAVE_DEPTH = 100
+
+
+def _plain(obj: Any) -> Any:
+    """A JSON scalar as stored: an ``IntEnum``, a ``StrEnum``, a numpy float become the
+    plain int, str or float they are (their class need not import where the tree goes:
+    the writer process unpickles it). Anything else is returned as it is."""
+    cls = type(obj)
+    if cls is str or cls is int or cls is float or cls is bool or obj is None:
+        return obj
+    if isinstance(obj, bool):
+        return bool(obj)
+    if isinstance(obj, int):
+        return int.__int__(obj)
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if isinstance(obj, float):
+        return float.__float__(obj)
+    return obj
+
+
+def key_problem(key: Any) -> str | None:
+    """Why a dict key (already :func:`_plain`) cannot be stored, else None."""
+    if not isinstance(key, (str, int, float, bool, type(None))):
+        return f"dict key {key!r} of type {type(key).__name__} cannot be stored; use str or int keys"
+    if isinstance(key, float) and not math.isfinite(key):
+        return f"dict key {key!r} cannot be stored (JSON has no {key!r}); use str or int keys"
+    return None
 
 
 @dataclass
@@ -125,25 +157,38 @@ def snapshot(
             raise
         clones: dict[ViewKey, torch.Tensor] = {}
         left: list[torch.Tensor] = []
-        if guarded is not None and bare:
-            safe = guarded(optimizers)
-            budget = guard.CLONE_LIMIT if clone_limit is None else clone_limit
-            ptrs = list(map(torch.Tensor.data_ptr, bare))  # one C loop; most are guarded
-            if safe.issuperset(ptrs):
-                bare = []
-            for t in bare:
-                ptr = t.data_ptr()
-                if ptr == 0 or ptr in safe:
-                    continue
-                key = view_key(t)
-                if key in clones:
-                    continue
-                if t.nbytes <= budget:
-                    clones[key] = t.detach().clone()
-                    budget -= t.nbytes
-                else:
-                    left.append(t)
+        try:
+            _clone_unguarded(bare, guarded, optimizers, clone_limit, clones, left)
+        except RuntimeError:  # a tensor torch cannot describe here (a strided nested tensor)
+            flatten_snapshot(state)  # walks again with paths, raising the precise error
+            raise
     return _Root(tree, clones), optimizers, left
+
+
+def _clone_unguarded(bare: list[torch.Tensor], guarded: Callable[[list[torch.optim.Optimizer]], set[int]] | None,
+                     optimizers: list[torch.optim.Optimizer], clone_limit: int | None,
+                     clones: dict[ViewKey, torch.Tensor], left: list[torch.Tensor]) -> None:
+    """Clone into ``clones`` the tensors of ``bare`` that something other than an optimizer
+    step may change before the copy (see :func:`snapshot`); ``left`` gets those over budget."""
+    if guarded is None or not bare:
+        return
+    safe = guarded(optimizers)
+    budget = guard.CLONE_LIMIT if clone_limit is None else clone_limit
+    ptrs = list(map(torch.Tensor.data_ptr, bare))  # one C loop; most are guarded
+    if safe.issuperset(ptrs):
+        return
+    for t in bare:
+        ptr = t.data_ptr()
+        if ptr == 0 or ptr in safe:
+            continue
+        key = view_key(t)
+        if key in clones:
+            continue
+        if t.nbytes <= budget:
+            clones[key] = t.detach().clone()
+            budget -= t.nbytes
+        else:
+            left.append(t)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -207,34 +252,50 @@ def _pinned(sd: Any, checked: bool = False) -> Any:
 
 
 def _capture(
-    obj: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bool = True, bare: list[torch.Tensor] | None = None
+    obj: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bool = True, bare: list[torch.Tensor] | None = None,
+    depth: int = 0,
 ) -> Any:
+    """Raises _Rejected for what save() refuses at once: the caller walks again with paths
+    (flatten_snapshot), whose error names the value and the fix."""
     if isinstance(obj, torch.Tensor):
         if bare is not None and (
             type(obj).__name__ == "ShardedTensor" or obj.layout is not torch.strided or obj.is_meta
-            or obj.dtype not in _STORABLE
+            or obj.dtype not in _STORABLE or obj.is_nested
         ):
             raise _Rejected  # walked again with paths: the error names it and the fix
         if bare is not None and obj.numel():
             bare.append(obj)
         return obj
     if isinstance(obj, (str, int, float, type(None))):
-        return obj
+        return _plain(obj)
+    checked = bare is not None  # save(): refused here (the flattener's own walk says why)
+    if checked and depth >= MAX_SAVE_DEPTH and (
+            isinstance(obj, (Mapping, list, tuple, torch.nn.Module, torch.optim.Optimizer)) or is_stateful(obj)):
+        raise _Rejected
     if isinstance(obj, Mapping):
         out = {}
+        converted = False
         for k, v in obj.items():
+            if type(k) is not str and type(k) is not int:
+                k, converted = _plain(k), True
+                if checked and key_problem(k) is not None:
+                    raise _Rejected
+            if converted and checked and k in out:  # a key stored as its plain value beside that value
+                raise _Rejected
             # the common leaf inline (a flat state dict of thousands of tensors: no call each)
             if type(v) in _PLAIN and v.layout is torch.strided and not v.is_meta and v.dtype in _STORABLE:
                 if bare is not None and v.numel():
                     bare.append(v)
                 out[k] = v
             else:
-                out[k] = _capture(v, optimizers, allow_pickle, bare)
+                out[k] = _capture(v, optimizers, allow_pickle, bare, depth + 1)
         return out
+    if checked and isinstance(obj, (list, tuple)) and len(obj) >= MAX_NODES:
+        raise _Rejected
     if isinstance(obj, list):
-        return [_capture(v, optimizers, allow_pickle, bare) for v in obj]
+        return [_capture(v, optimizers, allow_pickle, bare, depth + 1) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_capture(v, optimizers, allow_pickle, bare) for v in obj)
+        return tuple(_capture(v, optimizers, allow_pickle, bare, depth + 1) for v in obj)
     if isinstance(obj, torch.nn.Module):
         keep, bufs = _walk_module(obj)
         checked = bare is not None  # save(): a tensor the shard cannot hold is refused there, not later
@@ -254,7 +315,7 @@ def _capture(
         optimizers.append(obj)
         return _Captured("optimizer", obj.state_dict(), {})
     if is_stateful(obj):
-        return _Captured("stateful", _capture(obj.state_dict(), optimizers, allow_pickle, bare), {})
+        return _Captured("stateful", _capture(obj.state_dict(), optimizers, allow_pickle, bare, depth + 1), {})
     if not allow_pickle:
         raise _Rejected
     return obj  # pickled by flatten
@@ -267,8 +328,17 @@ class _Flattener:
         self.seen: dict[tuple[Any, ...], str] = {}
         self.names: set[str] = set()
         self.buffers: dict[ViewKey, torch.Tensor] = {}
+        self.nodes = 0  # tree nodes other than tensors (format.tree.MAX_NODES bounds them)
 
     def add_tensor(self, t: torch.Tensor, name: str) -> str:
+        if t.is_nested:
+            raise CheckpointError(
+                f"{name}: a nested tensor cannot be stored (a shard holds dense tensors); save its parts "
+                f"(t.unbind()) or a padded one (t.to_padded_tensor(0))")
+        if t.is_quantized:
+            raise CheckpointError(
+                f"{name}: a quantized tensor ({t.dtype}) cannot be stored; save t.int_repr() with its "
+                f"scale and zero point, or t.dequantize()")
         if t.layout is not torch.strided:
             raise CheckpointError(
                 f"{name}: a {t.layout} tensor cannot be stored (a shard holds dense tensors); save "
@@ -306,10 +376,16 @@ class _Flattener:
         """A DTensor (or its :class:`dtensor.Pinned` capture): the local shard and placement."""
         return {"D": self.add_tensor(dtensor.local_of(dt), path), **dtensor.describe(dt)}
 
-    def walk(self, obj: Any, path: str) -> Any:
+    def walk(self, obj: Any, path: str, depth: int = 0) -> Any:
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:  # the common case, first
             return {"T": self.add_tensor(obj, path)}
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise CheckpointError(
+                f"{path or '<state>'}: the state holds more than {MAX_NODES:,} values outside tensors (lists, "
+                f"dicts, numbers), more than a checkpoint can be read back with; keep long lists of numbers "
+                f"as tensors (torch.tensor(values))")
         if isinstance(obj, torch.Tensor):
             if type(obj).__name__ == "ShardedTensor":
                 raise CheckpointError(
@@ -323,27 +399,34 @@ class _Flattener:
         if cls is dtensor.Pinned:  # a module's DTensor, as save() found it
             return self._dtensor(obj, path)
         if isinstance(obj, bool) or isinstance(obj, _SCALARS):
-            return {"v": obj}
+            return {"v": _plain(obj)}
         if isinstance(obj, float):
-            return _float_node(obj)
+            return _float_node(_plain(obj))
+        if depth >= MAX_SAVE_DEPTH and (isinstance(obj, (Mapping, list, tuple, _Captured)) or is_stateful(obj)):
+            raise CheckpointError(
+                f"{path[:60]}/.../{path[-40:]}: the state is nested deeper than {MAX_SAVE_DEPTH} levels of dicts, "
+                f"lists and objects, deeper than a checkpoint can be read back with; flatten it (e.g. join the "
+                f"inner keys)")
         if isinstance(obj, Mapping):
-            items = []
+            items: list[list[Any]] = []
+            seen: set[Any] = set()
             for k, v in obj.items():
-                if not isinstance(k, (str, int, float, bool, type(None))):
-                    raise CheckpointError(
-                        f"{path or '<state>'}: dict key {k!r} of type {type(k).__name__} cannot be "
-                        f"stored; use str or int keys"
-                    )
-                items.append([k, self.walk(v, f"{path}/{escape_part(k)}" if path else escape_part(k))])
+                k = _plain(k)
+                why = key_problem(k) or (f"dict key {k!r} appears twice once keys are stored as plain values "
+                                         f"(an enum member and its value?); rename one" if k in seen else None)
+                if why is not None:
+                    raise CheckpointError(f"{path or '<state>'}: {why}")
+                seen.add(k)
+                items.append([k, self.walk(v, f"{path}/{escape_part(k)}" if path else escape_part(k), depth + 1)])
             return {"d": items}
         if isinstance(obj, (list, tuple)):
             tag = "t" if isinstance(obj, tuple) else "l"
-            return {tag: [self.walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+            return {tag: [self.walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(obj)]}
         if isinstance(obj, _Captured):
             self.buffers.update(obj.buffers)
-            return {"S": obj.kind, "v": self.walk(obj.sd, path)}
+            return {"S": obj.kind, "v": self.walk(obj.sd, path, depth)}  # no deeper than save() counted it
         if is_stateful(obj):
-            return self.walk(_capture(obj, self.flat.optimizers), path)
+            return self.walk(_capture(obj, self.flat.optimizers), path, depth)
         if self.allow_pickle:
             data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
             return {"P": self.add_tensor(torch.frombuffer(data, dtype=torch.uint8), path)}

@@ -69,15 +69,17 @@ class _Loader:
             self.tensor(node["D"], dtensor.local_of(live), path)
             return live
         if "v" in node:
-            return node["v"]
+            return _like(live, node["v"])
         if "f" in node:
-            return float(node["f"])
+            return _like(live, float(node["f"]))
         if "d" in node:
             return self.mapping(node["d"], live, path)
         if "l" in node or "t" in node:
             items: list[Any] = node["l"] if "l" in node else node["t"]
             lives = list(live) if isinstance(live, (list, tuple)) and len(live) == len(items) else [None] * len(items)
             out = [self.value(n, lv, f"{path}/{i}") for i, (n, lv) in enumerate(zip(items, lives))]
+            if "t" in node and isinstance(live, tuple) and hasattr(type(live), "_fields") and len(live) == len(out):
+                return type(live)(*out)  # a namedtuple stays one
             return tuple(out) if "t" in node else out
         if "P" in node:
             if self.collect is not None:
@@ -112,6 +114,8 @@ class _Loader:
         # A module's own tensors take the bytes in place, checked like any (load_state_dict
         # would cast fp32 into bf16), and found by the dry walk: refused before any byte lands.
         mine = live.state_dict() if isinstance(live, torch.nn.Module) and "d" in node else None
+        if mine is not None and self.collect is not None:
+            _refused_by_load_state_dict({"S": "module", "v": node}, live, mine, path)
         restored = self.value(node, mine, path)
         if self.collect is None:
             if mine is not None and _loaded_in_place(live, mine, restored):
@@ -138,7 +142,7 @@ class _Loader:
             src = self.fetch(name)
         if isinstance(live, torch.Tensor) and not dtensor.is_dtensor(live):
             mismatch(path, live, src.dtype, tuple(src.shape))
-            live.copy_(src)
+            _copy_into(live, src, path)
             return live
         return src.clone()
 
@@ -152,6 +156,8 @@ class _Loader:
 
     def stateful(self, node: dict[str, Any], obj: Any, path: str) -> None:
         live_sd = obj.state_dict()
+        if self.collect is not None:  # the dry walk: what load_state_dict would refuse, refused before any byte lands
+            _refused_by_load_state_dict(node, obj, live_sd, path)
         new_sd = self.value(node["v"], live_sd, path)
         if self.collect is not None:
             return
@@ -173,6 +179,77 @@ def mismatch(path: str, live: torch.Tensor, dtype: torch.dtype, shape: tuple[int
             f"{path}: the checkpoint holds {dtype} values but the live tensor is {live.dtype}; "
             f"load into a model of the saved dtype (cast it after load() if you want {live.dtype})"
         )
+
+
+def _plain_torch(obj: Any, names: tuple[str, ...], hooks: tuple[str, ...]) -> bool:
+    """Whether torch's own code (no override, no hook) loads ``obj``'s state: only then is
+    what its load_state_dict refuses known before it runs."""
+    return all(getattr(type(obj), n).__module__.startswith("torch.") for n in names) and not any(
+        getattr(obj, h, None) for h in hooks)
+
+
+def _refused_by_load_state_dict(node: dict[str, Any], obj: Any, live_sd: Any, path: str) -> None:
+    """Raise what ``obj.load_state_dict`` would raise for the saved state, where torch's own
+    rules decide it (a module's keys, an optimizer's parameter groups): else the tensors
+    that match are written in place first, and the refusal comes after them."""
+    saved = node.get("v")
+    if not isinstance(saved, dict) or "d" not in saved:
+        return
+    if node.get("S") == "module" and isinstance(obj, torch.nn.Module):
+        mods = list(obj.modules())
+        if not all(_plain_torch(m, ("load_state_dict", "_load_from_state_dict"),
+                                ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")) for m in mods):
+            return
+        keys = {k for k, _ in saved["d"]}
+        missing, unexpected = sorted(set(live_sd) - keys), sorted(keys - set(live_sd))
+        if missing or unexpected:
+            said = "; ".join(f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}" for what, names in
+                             (("the live module has keys the checkpoint lacks:", missing),
+                              ("the checkpoint has keys the live module lacks:", unexpected)) if names)
+            raise CheckpointError(f"{path}: {said}; build the model with the configuration it was saved with "
+                                  f"(nothing was loaded)")
+    elif node.get("S") == "optimizer" and isinstance(obj, torch.optim.Optimizer):
+        if not _plain_torch(obj, ("load_state_dict",), ("_optimizer_load_state_dict_pre_hooks",
+                                                         "_optimizer_load_state_dict_post_hooks")):
+            return
+        groups = dict((k, v) for k, v in saved["d"]).get("param_groups", {}).get("l")
+        if not isinstance(groups, list):
+            return
+        sizes = [len(dict((k, v) for k, v in g.get("d", [])).get("params", {}).get("l", [])) for g in groups]
+        live = [len(g["params"]) for g in obj.param_groups]
+        if sizes != live:
+            raise CheckpointError(
+                f"{path}: the checkpoint's optimizer has parameter groups of {sizes} parameters, the live one "
+                f"{live}; build the optimizer with the parameter groups it was saved with (nothing was loaded)")
+
+
+def _copy_into(live: torch.Tensor, src: torch.Tensor, path: str) -> None:
+    """``live.copy_(src)``; an expanded live tensor (stride 0 along a dimension: one value
+    in memory for all of it, as ``expand()`` gives) takes the stored values along the
+    dimensions it holds, once they are checked to be one value along the others."""
+    for d, (size, stride) in enumerate(zip(live.shape, live.stride())):
+        if stride == 0 and size > 1:
+            first = src.narrow(d, 0, 1)
+            if not torch.equal(src, first.expand_as(src)):
+                raise CheckpointError(
+                    f"{path}: the live tensor is expanded along dimension {d} (one value in memory for all of "
+                    f"it) but the checkpoint holds different values along it; load into a tensor of its own "
+                    f"(.clone() it before load())")
+            live, src = live.narrow(d, 0, 1), first
+    live.copy_(src)
+
+
+def _like(live: Any, value: Any) -> Any:
+    """A saved scalar as the live value's enum class (an ``IntEnum`` phase is stored as its
+    int), when it is a member of it; else the value as saved."""
+    import enum
+
+    if isinstance(live, enum.Enum) and type(value) is not type(live):
+        try:
+            return type(live)(value)
+        except (ValueError, TypeError):
+            return value
+    return value
 
 
 def _saved_kind(node: Any) -> str:

@@ -52,7 +52,7 @@ def test_a_shape_mismatch_is_refused_before_any_tensor_is_overwritten(local_dir)
 @pytest.mark.parametrize("saved, live, says", [
     (lambda: torch.nn.Linear(4, 8).state_dict(), lambda: torch.nn.Linear(4, 4), r"x/weight: the checkpoint holds shape \(8, 4\)"),
     (lambda: torch.nn.Linear(4, 4).state_dict(), lambda: torch.nn.Linear(4, 4).bfloat16(), "float32 values but the live tensor is torch.bfloat16"),
-    (lambda: {"weight": torch.ones(4, 4)}, lambda: torch.nn.Linear(4, 4), "(?s)holds a dict here.*Missing key"),
+    (lambda: {"weight": torch.ones(4, 4)}, lambda: torch.nn.Linear(4, 4), r"x: the live module has keys the checkpoint lacks: \['bias'\]"),
     (lambda: torch.ones(3), lambda: torch.nn.Linear(1, 1), "holds a tensor here, which the live torch.nn"),
     (lambda: 5, lambda: torch.nn.Linear(1, 1), "holds a value here"),
     (lambda: {"a": 1}, lambda: torch.zeros(3), "holds a dict here, but the live state has a tensor"),
@@ -115,17 +115,33 @@ def test_a_model_saved_as_its_state_dict_loads_into_its_state_dict(local_dir):
     assert torch.equal(live.weight, saved.weight) and torch.equal(live.bias, saved.bias)
 
 
-def test_a_module_with_other_keys_is_refused_saying_what_was_overwritten(local_dir):
+def test_a_module_with_other_keys_is_refused_before_any_tensor_is_overwritten(local_dir):
+    """The matching tensors landed first and load_state_dict refused after them."""
     torch.manual_seed(0)
     _save(local_dir, {"model": torch.nn.Sequential(torch.nn.Linear(64, 64))})
     torch.manual_seed(1)
     live = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))  # one layer more
     before = live[0].weight.detach().clone()
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(CheckpointError, match=r"model: the live module has keys the checkpoint lacks: "
+                                              r"\['1.bias', '1.weight'\]; build the model") as err:
         _load(local_dir, {"model": live})
-    assert "Missing key(s)" in str(err.value) and "1.weight" in str(err.value)
-    if not torch.equal(live[0].weight, before):  # landed before load_state_dict refused: it must say so
-        assert "partly overwritten" in str(err.value)
+    assert torch.equal(live[0].weight, before) and "partly overwritten" not in str(err.value)
+
+
+def test_an_optimizer_with_other_parameter_groups_is_refused_before_any_tensor_is_overwritten(local_dir):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    _save(local_dir, {"model": m, "optim": opt})
+    live = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = live[0].weight.detach().clone()
+    groups = torch.optim.AdamW([{"params": live[0].parameters()}, {"params": live[1].parameters(), "lr": 0.1}])
+    with pytest.raises(CheckpointError, match=r"optim: the checkpoint's optimizer has parameter groups of \[4\] "
+                                              r"parameters, the live one \[2, 2\]"):
+        _load(local_dir, {"model": live, "optim": groups})
+    assert torch.equal(live[0].weight, before)
 
 
 def test_a_failed_read_of_the_persistent_copy_is_the_tiers_failure_not_a_bad_copy(local_dir, tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import xxhash
 from dataclasses import dataclass, field
 from typing import Any
 
-from incluster.errors import CorruptCheckpointError
+from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.format.checksum import Checksum, content_id
 from incluster.format.tree import check_tree
 
@@ -122,6 +122,10 @@ def write_sidecar(path: str, sidecar: Sidecar, fsync: bool = False) -> None:
     """Write atomically: a reader sees the whole record or none of it."""
     tmp = f"{path}.tmp-{os.getpid()}"
     data = json.dumps(sidecar.to_json(), separators=(",", ":")).encode()
+    if len(data) > MAX_SIDECAR_BYTES:  # a reader would refuse it: never write a record nobody can load
+        raise CheckpointError(
+            f"step {sidecar.step}: its record of the state outside tensors is {len(data):,} bytes, over the "
+            f"{MAX_SIDECAR_BYTES:,} a reader takes; keep large values (long lists, long strings) as tensors")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         if os.write(fd, data) != len(data):

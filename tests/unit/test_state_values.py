@@ -1,0 +1,136 @@
+"""Values at the edges of what a state may hold: saved and loaded back as they were, or
+refused by save() itself (never by the next save(), never as a step no load can read)."""
+
+from __future__ import annotations
+
+import collections
+import enum
+import re
+
+import pytest
+import torch
+
+import incluster
+from incluster import state as state_mod
+from incluster.errors import CheckpointError
+
+
+class Phase(enum.IntEnum):  # defined in the trainer's script: the writer process cannot import it
+    WARMUP = 1
+    MAIN = 2
+
+
+class Mode(enum.StrEnum):
+    TRAIN = "train"
+
+
+Pos = collections.namedtuple("Pos", "epoch batch")
+
+
+def _ckpt(local_dir: str, writer: str = "thread") -> incluster.Checkpointer:
+    return incluster.Checkpointer(local_dir=local_dir, job="values", replicas=0, writer=writer)
+
+
+def test_enum_members_are_saved_as_their_values_and_come_back_as_members(local_dir):
+    """An IntEnum in the state killed the writer process at every save (it could not
+    unpickle the trainer's class): three restarts, then the Checkpointer was unusable."""
+    with _ckpt(local_dir, writer="process") as ck:
+        state = {"extra": {"phase": Phase.MAIN, "mode": Mode.TRAIN, "by_phase": {Phase.WARMUP: torch.ones(2)},
+                           "pos": Pos(3, 7), "w": torch.arange(4.0)}}
+        for step in (1, 2):
+            ck.save(step, state).wait(60)
+        state["extra"] = {"phase": Phase.WARMUP, "mode": Mode.TRAIN, "by_phase": {Phase.WARMUP: torch.zeros(2)},
+                          "pos": Pos(0, 0), "w": torch.zeros(4)}
+        assert ck.load(state) == 2
+    extra = state["extra"]
+    assert extra["phase"] is Phase.MAIN and extra["mode"] is Mode.TRAIN
+    assert type(extra["pos"]) is Pos and extra["pos"].batch == 7  # a namedtuple stays one
+    assert torch.equal(extra["by_phase"][1], torch.ones(2)) and torch.equal(extra["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("key, said", [((0, 1), "dict key (0, 1) of type tuple"),
+                                       (float("nan"), "dict key nan cannot be stored")])
+def test_a_key_that_cannot_be_stored_is_refused_by_save_itself(local_dir, key, said):
+    """Refused on the staging thread before, the error came out of the next valid save(),
+    which then did not save its own step."""
+    with _ckpt(local_dir) as ck:
+        with pytest.raises(CheckpointError, match=re.escape(f"extra/seen: {said}")):
+            ck.save(1, {"extra": {"w": torch.ones(2), "seen": {key: 5}}})
+        ck.save(2, {"extra": {"w": torch.ones(2)}}).wait(60)
+
+
+class Tag(int):  # an int subclass that is not equal to its value as a key
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+def test_a_key_stored_as_its_plain_value_beside_that_value_is_refused_not_merged(local_dir):
+    with _ckpt(local_dir) as ck:
+        with pytest.raises(CheckpointError, match="dict key 1 appears twice"):
+            ck.save(1, {"extra": {Tag(1): torch.ones(2), 1: torch.zeros(2)}})
+
+
+def test_state_deeper_than_a_reader_takes_is_refused_by_save(local_dir):
+    """A state nested 198 dicts deep was saved and reported durable; load() then called the
+    copy "not written by incluster" and set it aside: the checkpoint was lost."""
+    deep: dict = {"leaf": torch.ones(1)}
+    for _ in range(state_mod.MAX_SAVE_DEPTH + 5):
+        deep = {"n": deep}
+    with _ckpt(local_dir, writer="process") as ck:
+        with pytest.raises(CheckpointError, match="nested deeper than 100 levels"):
+            ck.save(1, {"extra": deep})
+        ok: dict = {"leaf": torch.ones(1)}
+        for _ in range(state_mod.MAX_SAVE_DEPTH - 3):  # the deepest save() takes: written and read back
+            ok = {"n": ok}
+        ck.save(2, {"extra": ok}).wait(60)
+        assert ck.load({"extra": ok}) == 2
+
+
+def test_more_values_than_a_reader_takes_are_refused(local_dir, monkeypatch):
+    """A 10,000,000-element list (a sampler's permutation) was saved and then unloadable."""
+    monkeypatch.setattr(state_mod, "MAX_NODES", 1000)
+    with _ckpt(local_dir) as ck:
+        with pytest.raises(CheckpointError, match="keep long lists of numbers as tensors"):
+            ck.save(1, {"extra": {"perm": list(range(2000))}})
+    with pytest.raises(CheckpointError, match="more than 1,000 values outside tensors"):
+        state_mod.flatten({"extra": [list(range(600)), list(range(600))]})  # many lists, each short
+
+
+def test_a_record_over_the_readers_cap_fails_its_step(local_dir, monkeypatch):
+    from incluster.format import sidecar
+
+    monkeypatch.setattr(sidecar, "MAX_SIDECAR_BYTES", 20_000)
+    with _ckpt(local_dir) as ck:
+        with pytest.raises(CheckpointError, match="over the 20,000 a reader takes"):
+            ck.save(1, {"extra": {"note": "x" * 50_000, "w": torch.ones(2)}}).wait(60)
+        ck.save(2, {"extra": {"note": "short", "w": torch.ones(2)}}).wait(60)
+        assert ck.load({"extra": {"note": "", "w": torch.zeros(2)}}) == 2
+
+
+def test_an_expanded_tensor_round_trips_into_an_expanded_live_tensor(local_dir):
+    """load() failed in copy_ (one memory location for many elements) after other live
+    tensors had been overwritten, naming no path."""
+    with _ckpt(local_dir) as ck:
+        state = {"extra": {"a": torch.ones(3), "e": torch.arange(3.0).reshape(1, 3).expand(4, 3)}}
+        ck.save(1, state).wait(60)
+        state["extra"]["a"].fill_(-1)
+        state["extra"]["e"] = torch.zeros(1, 3).expand(4, 3)
+        assert ck.load(state) == 1
+        assert torch.equal(state["extra"]["e"], torch.arange(3.0).reshape(1, 3).expand(4, 3))
+        assert state["extra"]["e"].stride() == (0, 1) and torch.equal(state["extra"]["a"], torch.ones(3))
+        state["extra"]["e"] = torch.zeros(4, 3)[:, :1].expand(4, 3)  # one value per row: the saved rows differ
+        ck.save(2, {"extra": {"a": torch.ones(3), "e": torch.arange(12.0).reshape(4, 3)}}).wait(60)
+        with pytest.raises(CheckpointError, match="extra/e: the live tensor is expanded along dimension 1"):
+            ck.load(state)
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor cannot be stored"),
+    (lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8), "save t.int_repr()"),
+])
+def test_tensors_a_shard_cannot_hold_are_refused_with_their_fix(local_dir, make, said):
+    with _ckpt(local_dir) as ck:
+        with pytest.raises(CheckpointError, match=f"extra/x: .*{said}"):
+            ck.save(1, {"extra": {"x": make()}})
