@@ -315,7 +315,8 @@ def render(report: GoodputReport, console: Any = None) -> None:
         ranks = sorted(report.unfinished)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks ({_span(ranks)})"
         risk = sum(report.unfinished.values()) / len(ranks)
-        console.print(f"{who}: the last process recorded no end (killed, or still running): if it was killed, "
+        console.print(f"{who}: the last process recorded no end (killed, or still running, or it never called "
+                      f"Checkpointer.close()): if it was killed, "
                       f"the {risk:.2f} s since its newest durable step{' (mean)' if len(ranks) > 1 else ''} "
                       f"are lost too; they count as goodput here until a restart's load shows what was restored",
                       style="yellow")
