@@ -41,6 +41,7 @@ class _Loader:
         self.placed = placed or {}  # name -> memory that already holds its stored bytes
         self.collect = collect  # dry walk: record name -> live tensor, change nothing
         self.dtensors: dict[str, tuple[Any, str]] | None = None  # name -> (live DTensor, path)
+        self._objects = 0  # how deep inside an object's state_dict the walk is (its own load_state_dict judges it)
 
     def value(self, node: Any, live: Any, path: str) -> Any:
         """Rebuild ``node``; tensors are copied into ``live`` in place when it fits."""
@@ -116,7 +117,11 @@ class _Loader:
         mine = live.state_dict() if isinstance(live, torch.nn.Module) and "d" in node else None
         if mine is not None and self.collect is not None:
             _refused_by_load_state_dict({"S": "module", "v": node}, live, mine, path)
-        restored = self.value(node, mine, path)
+        self._objects += 1
+        try:
+            restored = self.value(node, mine, path)
+        finally:
+            self._objects -= 1
         if self.collect is None:
             if mine is not None and _loaded_in_place(live, mine, restored):
                 return live
@@ -152,13 +157,23 @@ class _Loader:
         for key, child in items:
             sub = f"{path}/{escape_part(key)}" if path else escape_part(key)
             out[key] = self.value(child, live_map.get(key), sub)
+        if self.collect is None and not self._objects and len(live_map) > len(out):
+            extra = [k for k in live_map if k not in out]
+            if extra and (path, tuple(map(str, extra))) not in _SAID_LEFT_OUT:
+                _SAID_LEFT_OUT.add((path, tuple(map(str, extra))))
+                log.warning("incluster: %s: the live dict has key(s) %s that the checkpoint does not; load() gives "
+                            "back the dict as it was saved, without them", path or "<state>", extra[:8])
         return out
 
     def stateful(self, node: dict[str, Any], obj: Any, path: str) -> None:
         live_sd = obj.state_dict()
         if self.collect is not None:  # the dry walk: what load_state_dict would refuse, refused before any byte lands
             _refused_by_load_state_dict(node, obj, live_sd, path)
-        new_sd = self.value(node["v"], live_sd, path)
+        self._objects += 1
+        try:
+            new_sd = self.value(node["v"], live_sd, path)
+        finally:
+            self._objects -= 1
         if self.collect is not None:
             return
         if node["S"] == "module" and _loaded_in_place(obj, live_sd, new_sd):

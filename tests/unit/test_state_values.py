@@ -134,3 +134,16 @@ def test_tensors_a_shard_cannot_hold_are_refused_with_their_fix(local_dir, make,
     with _ckpt(local_dir) as ck:
         with pytest.raises(CheckpointError, match=f"extra/x: .*{said}"):
             ck.save(1, {"extra": {"x": make()}})
+
+
+def test_live_dict_keys_the_checkpoint_lacks_are_named_when_load_drops_them(local_dir, caplog):
+    """A counter added to a nested dict since the save vanished at load() without a word."""
+    with _ckpt(local_dir) as ck:
+        ck.save(1, {"extra": {"stats": {"seen": 3}, "w": torch.ones(2)}}).wait(60)
+        live = {"extra": {"stats": {"seen": 0, "skipped": 0}, "w": torch.zeros(2)}}
+        with caplog.at_level("WARNING", logger="incluster"):
+            assert ck.load(live) == 1
+    assert live["extra"]["stats"] == {"seen": 3}
+    said = [r.getMessage() for r in caplog.records if "extra/stats" in r.getMessage()]
+    assert said and "the live dict has key(s) ['skipped'] that the checkpoint does not" in said[0], said
+    assert not [r for r in caplog.records if "'state'" in r.getMessage()]  # nothing about objects' own dicts
