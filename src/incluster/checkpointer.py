@@ -161,8 +161,10 @@ class Checkpointer(SavePipeline, LoadPipeline):
         # With a persistent tier the ring has one more slot: a slow upload never holds up saves.
         slots = self.config.keep + (1 if self.config.persistent else 0)
         self.ring = SlotRing(self.folder, slots, on_map=self._on_map, on_unmap=self._on_unmap)
-        self._uploads: dict[int, tuple[Slot, SaveHandle]] = {}
-        self._early_persisted: dict[int, str | None] = {}  # upload outcomes told before the commit was handled
+        # Keyed (timeline, step): a step number saved again after a load() is another save,
+        # whose word must not be taken for the upload of the one before it.
+        self._uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]] = {}
+        self._early_persisted: dict[tuple[int, int], str | None] = {}  # upload outcomes told before the commit was handled
         self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
         self._store_server, address, targets, sources, node_folders = wiring.start_store(
             self.config, self.rank, self.world_size)
@@ -464,7 +466,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             stuck = not self._staging_idle(self.config.slot_timeout_s)
             self._stage_pool.shutdown(wait=not stuck)
             with self._lock:
-                uploading = sorted(self._uploads)
+                uploading = sorted(step for _, step in self._uploads)
             if uploading:
                 log.info("incluster: rank %d: close() waits for the persistent upload of step(s) %s (up to %.0f s, "
                          "slot_timeout_s)", self.rank, uploading, self.config.slot_timeout_s)
@@ -472,9 +474,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 self._writer.close(self.config.slot_timeout_s)
             with self._lock:
                 left = list(self._uploads)
-            for step in left:  # never left pending: the writer is gone
+            for timeline, step in left:  # never left pending: the writer is gone
                 self._persisted(step, f"the upload had not finished when close() ended it (after up to "
-                                      f"{self.config.slot_timeout_s:.0f} s, slot_timeout_s)")
+                                      f"{self.config.slot_timeout_s:.0f} s, slot_timeout_s)", timeline)
             if not stuck:  # a staging thread still copying keeps its mappings: unmapping would crash it
                 self.ring.close()
                 self._stager.release_device()  # the device-side snapshot's GPU memory goes back

@@ -80,8 +80,8 @@ class SavePipeline:
     _stager: Stager
     _writer: Writer
     _lock: threading.Lock
-    _uploads: dict[int, tuple[Slot, SaveHandle]]
-    _early_persisted: dict[int, str | None]
+    _uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]]
+    _early_persisted: dict[tuple[int, int], str | None]
     _loaded: bool
     _errors: list[tuple[SaveHandle, BaseException]]
     _warned_warm: bool
@@ -151,9 +151,9 @@ class SavePipeline:
             path, persist = fut.result()
             if persist:
                 with self._lock:  # pinned and unpinned under this lock: never pinned after its upload ended
-                    early = self._early_persisted.pop(job.step, _NO_WORD)
+                    early = self._early_persisted.pop((job.timeline, job.step), _NO_WORD)
                     if early is _NO_WORD:
-                        self._uploads[job.step] = (job.slot, handle)
+                        self._uploads[(job.timeline, job.step)] = (job.slot, handle)
                         self.ring.set_uploading(job.slot, True)
                 if early is not _NO_WORD:
                     self._report_persisted(job.step, handle, early)  # type: ignore[arg-type]
@@ -227,22 +227,24 @@ class SavePipeline:
             self.ring.mark_committed(job.slot, step, final)
             handle.committed_s = time.perf_counter() - handle.started
             self.events.record(ev.DURABLE, step=step, tier="local", seconds=handle.committed_s)
-        if not handle.persisted.done() and step not in self._uploads:
+        if not handle.persisted.done() and (job.timeline, step) not in self._uploads:
             with contextlib.suppress(InvalidStateError):
                 handle.persisted.set_result(False)  # no upload was started for it
         log.warning("incluster: rank %d: the writer died after committing step %d; the step is durable", self.rank, step)
         return True
 
-    def _persisted(self, step: int, err: str | None) -> None:
-        """The writer finished (or skipped) a persistent upload: unpin its slot, report.
-        Its word may come before the step's commit was handled here (a skip is told right
-        after the commit): it is then kept for ``_local_done``."""
+    def _persisted(self, step: int, err: str | None, timeline: int = 0) -> None:
+        """The writer finished (or skipped) a persistent upload of the save of ``step``
+        after ``timeline`` load() calls: unpin its slot, report. Its word may come before
+        the step's commit was handled here (a skip is told right after the commit): it is
+        then kept for ``_local_done``."""
+        key = (timeline, step)
         with self._lock:
-            slot, handle = self._uploads.pop(step, (None, None))
+            slot, handle = self._uploads.pop(key, (None, None))
             if slot is not None:
                 self.ring.set_uploading(slot, False)
-            elif step not in self._early_persisted:
-                self._early_persisted[step] = err
+            elif key not in self._early_persisted:
+                self._early_persisted[key] = err
                 while len(self._early_persisted) > EARLY_WORDS:  # words no save claimed: the oldest go
                     self._early_persisted.pop(min(self._early_persisted))
         if handle is not None:
@@ -305,7 +307,7 @@ class SavePipeline:
         for fut in (job.staged, handle.durable):
             if not fut.done():
                 fut.set_exception(err)
-        if not handle.persisted.done() and job.step not in self._uploads:
+        if not handle.persisted.done() and (job.timeline, job.step) not in self._uploads:
             with contextlib.suppress(InvalidStateError):  # an upload's word may resolve it meanwhile
                 handle.persisted.set_result(False)
         job.host_done.set()
@@ -347,8 +349,8 @@ class SavePipeline:
             self._writer_restarts += 1
             with self._lock:
                 uploads = list(self._uploads)
-            for step in uploads:  # their slots must not stay pinned for an upload that is gone
-                self._persisted(step, "the writer process died during the upload")
+            for timeline, step in uploads:  # their slots must not stay pinned for an upload that is gone
+                self._persisted(step, "the writer process died during the upload", timeline)
             log.warning(
                 "incluster: rank %d: %s; starting a new writer process (%d of at most %d restarts)",
                 self.rank, dead, self._writer_restarts, MAX_WRITER_RESTARTS,

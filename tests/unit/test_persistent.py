@@ -165,6 +165,31 @@ def test_a_persistent_save_due_while_the_previous_uploads_is_skipped(local_dir, 
     assert _manifests(root) == ["step-000000000000"]
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_step_saved_again_after_a_load_gets_its_own_upload_word(local_dir, tmp_path, writer):
+    """Step 4 is still uploading when a load() goes back to step 2 and step 4 is saved
+    again: that save's upload is skipped (the old one runs). Keyed by step alone, the
+    skip was taken for the old upload's word and the old upload's end for the new save's:
+    the new step 4 was said to be in the persistent tier, and the old handle was not."""
+    from incluster.testing import SlowTier
+    from incluster.tiers.persistent import FsspecTier
+
+    root = str(tmp_path / "persist")
+    tier = SlowTier(FsspecTier(root), latency_s=0.5)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer=writer, persistent=tier,
+                                persistent_every=1) as ck:
+        first = ck.save(2, _state(2.0))
+        assert first.persisted.result(30) is True
+        old = ck.save(4, _state(4.0))
+        old.wait()
+        os.remove(os.path.join(local_dir, "p", "rank-00000", f"step-{4:012d}.json"))  # step 4 unusable here
+        assert ck.load(_state(0.0)) == 2 and not old.persisted.done()
+        again = ck.save(4, _state(5.0))
+        again.wait()
+        assert again.persisted.result(30) is False  # skipped: the old upload of step 4 still ran
+        assert old.persisted.result(30) is True
+
+
 @pytest.mark.multiproc
 def test_upload_killed_midway_leaves_no_manifest_and_a_new_writer_uploads_the_next_due_step(local_dir, tmp_path, monkeypatch):
     root = str(tmp_path / "persist")

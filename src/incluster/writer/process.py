@@ -180,7 +180,7 @@ class ProcessWriter:
                 continue
             if msg.kind is Kind.PERSISTED:
                 if self._on_persisted is not None:
-                    self._on_persisted(msg.step, msg.error)
+                    self._on_persisted(msg.step, msg.error, msg.payload or 0)  # payload: the save's timeline
                 continue
             if msg.kind in (Kind.DRAINED, Kind.DEVICE_READY):  # for the trainer's RemoteDrain
                 listener = self.drain_listener

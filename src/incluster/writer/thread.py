@@ -54,8 +54,9 @@ class ThreadWriter:
                 self._repl.submit(self._replicate, req.step, None, req.timeline)
             return
         local.set_result((path, persist))
-        if persist and not self._service.upload(req.step, own, lambda err: self._persisted(req.step, err), req.timeline):
-            self._persisted(req.step, "skipped: the previous upload was still running")
+        if persist and not self._service.upload(req.step, own, lambda err: self._persisted(req.step, err, req.timeline),
+                                                req.timeline):
+            self._persisted(req.step, "skipped: the previous upload was still running", req.timeline)
         self._repl.submit(self._replicate_then_watch, req.step, own, outcome, req.timeline)
 
     def _replicate_then_watch(self, step: int, own: object, outcome: "Future[None]", timeline: int) -> None:
@@ -65,9 +66,9 @@ class ThreadWriter:
         except RuntimeError:  # closed while this commit was finishing
             outcome.set_exception(CheckpointError(f"the writer closed before step {step}'s outcome"))
 
-    def _persisted(self, step: int, err: str | None) -> None:
+    def _persisted(self, step: int, err: str | None, timeline: int) -> None:
         if self._on_persisted is not None:
-            self._on_persisted(step, err)
+            self._on_persisted(step, err, timeline)
 
     def _replicate(self, step: int, own: object, timeline: int | None = None) -> None:
         """``timeline``: the step's load() count (None: the newest save's), which keys it in

@@ -135,7 +135,7 @@ def serve(conn: Connection) -> None:
         if persist:
 
             def uploaded(err: str | None) -> None:
-                send(Message(Kind.PERSISTED, gen, seq, step, error=err))
+                send(Message(Kind.PERSISTED, gen, seq, step, payload=req.timeline, error=err))
 
             if not service.upload(step, own, uploaded, req.timeline):
                 uploaded("skipped: the previous upload was still running")
