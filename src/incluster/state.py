@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 import torch
 
@@ -32,8 +32,11 @@ from incluster import guard
 _SCALARS = (str, int, bool, type(None))
 # The deepest nesting save() takes: a reader refuses a tree deeper than format.tree's
 # MAX_DEPTH (200) as not written by incluster, and the tree is pickled to a writer
-# process, four containers a level, under Python's recursion limit.
+# process, four containers a level, under Python's recursion limit. The staging walk's own
+# bound leaves room for what a module's or an optimizer's state_dict() adds below the
+# level save() sees (an optimizer's parameter lists are three levels down).
 MAX_SAVE_DEPTH = 100
+_WALK_DEPTH = MAX_SAVE_DEPTH + 8
 
 
 def _plain(obj: Any) -> Any:
@@ -153,16 +156,24 @@ def snapshot(
         try:
             tree = _capture(state, optimizers, allow_pickle, bare)
         except _Rejected:
-            flatten_snapshot(state)  # walks again with paths, raising the precise error
-            raise
+            _refuse(state, allow_pickle)
         clones: dict[ViewKey, torch.Tensor] = {}
         left: list[torch.Tensor] = []
         try:
             _clone_unguarded(bare, guarded, optimizers, clone_limit, clones, left)
-        except RuntimeError:  # a tensor torch cannot describe here (a strided nested tensor)
-            flatten_snapshot(state)  # walks again with paths, raising the precise error
+        except RuntimeError:
+            if any(t.is_nested for t in bare):  # torch cannot describe its views
+                _refuse(state, allow_pickle)
             raise
     return _Root(tree, clones), optimizers, left
+
+
+def _refuse(state: Mapping[str, Any], allow_pickle: bool) -> NoReturn:
+    """save() refuses ``state``: walk it again with paths, raising the precise error."""
+    flatten_snapshot(state, allow_pickle=allow_pickle, depth_limit=MAX_SAVE_DEPTH)
+    raise CheckpointError(  # what the walk could not name (keys that merge inside an object's state_dict())
+        "save() cannot store this state: a dict holds two keys that are one once stored as plain values "
+        "(an int or str subclass beside its value); rename one")
 
 
 def _clone_unguarded(bare: list[torch.Tensor], guarded: Callable[[list[torch.optim.Optimizer]], set[int]] | None,
@@ -328,7 +339,8 @@ class _Flattener:
         self.seen: dict[tuple[Any, ...], str] = {}
         self.names: set[str] = set()
         self.buffers: dict[ViewKey, torch.Tensor] = {}
-        self.nodes = 0  # tree nodes other than tensors (format.tree.MAX_NODES bounds them)
+        self.nodes = 0  # tree nodes, tensors included (format.tree.MAX_NODES bounds them)
+        self.depth_limit = _WALK_DEPTH
 
     def add_tensor(self, t: torch.Tensor, name: str) -> str:
         if t.is_nested:
@@ -377,15 +389,12 @@ class _Flattener:
         return {"D": self.add_tensor(dtensor.local_of(dt), path), **dtensor.describe(dt)}
 
     def walk(self, obj: Any, path: str, depth: int = 0) -> Any:
+        self.nodes += 1
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:  # the common case, first
             return {"T": self.add_tensor(obj, path)}
-        self.nodes += 1
         if self.nodes > MAX_NODES:
-            raise CheckpointError(
-                f"{path or '<state>'}: the state holds more than {MAX_NODES:,} values outside tensors (lists, "
-                f"dicts, numbers), more than a checkpoint can be read back with; keep long lists of numbers "
-                f"as tensors (torch.tensor(values))")
+            raise too_many(path)
         if isinstance(obj, torch.Tensor):
             if type(obj).__name__ == "ShardedTensor":
                 raise CheckpointError(
@@ -402,7 +411,7 @@ class _Flattener:
             return {"v": _plain(obj)}
         if isinstance(obj, float):
             return _float_node(_plain(obj))
-        if depth >= MAX_SAVE_DEPTH and (isinstance(obj, (Mapping, list, tuple, _Captured)) or is_stateful(obj)):
+        if depth >= self.depth_limit and (isinstance(obj, (Mapping, list, tuple, _Captured)) or is_stateful(obj)):
             raise CheckpointError(
                 f"{path[:60]}/.../{path[-40:]}: the state is nested deeper than {MAX_SAVE_DEPTH} levels of dicts, "
                 f"lists and objects, deeper than a checkpoint can be read back with; flatten it (e.g. join the "
@@ -424,7 +433,7 @@ class _Flattener:
             return {tag: [self.walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(obj)]}
         if isinstance(obj, _Captured):
             self.buffers.update(obj.buffers)
-            return {"S": obj.kind, "v": self.walk(obj.sd, path, depth)}  # no deeper than save() counted it
+            return {"S": obj.kind, "v": self.walk(obj.sd, path, depth + 1)}  # two tree levels, as save() counts it
         if is_stateful(obj):
             return self.walk(_capture(obj, self.flat.optimizers), path, depth)
         if self.allow_pickle:
@@ -454,12 +463,22 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> Flat:
     return flat
 
 
-def flatten_snapshot(snap: Any, *, allow_pickle: bool = False) -> Flat:
-    """The slow half of a save (staging thread): names, specs, tied tensors, the tree."""
+def flatten_snapshot(snap: Any, *, allow_pickle: bool = False, depth_limit: int = _WALK_DEPTH) -> Flat:
+    """The slow half of a save (staging thread): names, specs, tied tensors, the tree.
+    ``depth_limit``: save()'s own (MAX_SAVE_DEPTH) when it walks a state it refused."""
     f = _Flattener(allow_pickle)
+    f.depth_limit = depth_limit
     if isinstance(snap, _Root):
         f.buffers.update(snap.clones)
         snap = snap.tree
     with torch.no_grad():
         f.flat.tree = f.walk(snap, "")
+    if f.nodes > MAX_NODES:  # tensors last: counted, but the walk checks at the next other value
+        raise too_many("<state>")
     return f.flat
+
+
+def too_many(path: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path or '<state>'}: the state holds more than {MAX_NODES:,} values (tensors, lists, dicts, numbers), "
+        f"more than a checkpoint can be read back with; keep long lists of numbers as tensors (torch.tensor(values))")

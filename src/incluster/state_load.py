@@ -196,11 +196,22 @@ def mismatch(path: str, live: torch.Tensor, dtype: torch.dtype, shape: tuple[int
         )
 
 
-def _plain_torch(obj: Any, names: tuple[str, ...], hooks: tuple[str, ...]) -> bool:
-    """Whether torch's own code (no override, no hook) loads ``obj``'s state: only then is
-    what its load_state_dict refuses known before it runs."""
-    return all(getattr(type(obj), n).__module__.startswith("torch.") for n in names) and not any(
-        getattr(obj, h, None) for h in hooks)
+_MODULE_LOADS = (torch.nn.Module._load_from_state_dict,
+                 torch.nn.modules.batchnorm._NormBase._load_from_state_dict)  # fills in num_batches_tracked
+_FILLED_IN = "num_batches_tracked"  # a _NormBase takes a state without it (an older one, an EMA copy)
+
+
+def _plain_module(m: torch.nn.Module) -> bool:
+    """Whether torch's own code, and only that, loads ``m``'s state: only then is what its
+    load_state_dict refuses known before it runs (no override, no load hook)."""
+    cls = type(m)
+    return (cls.load_state_dict is torch.nn.Module.load_state_dict and cls._load_from_state_dict in _MODULE_LOADS
+            and not m._load_state_dict_pre_hooks and not m._load_state_dict_post_hooks)
+
+
+def _plain_optimizer(o: torch.optim.Optimizer) -> bool:
+    return (type(o).load_state_dict is torch.optim.Optimizer.load_state_dict
+            and not o._optimizer_load_state_dict_pre_hooks and not o._optimizer_load_state_dict_post_hooks)
 
 
 def _refused_by_load_state_dict(node: dict[str, Any], obj: Any, live_sd: Any, path: str) -> None:
@@ -211,12 +222,11 @@ def _refused_by_load_state_dict(node: dict[str, Any], obj: Any, live_sd: Any, pa
     if not isinstance(saved, dict) or "d" not in saved:
         return
     if node.get("S") == "module" and isinstance(obj, torch.nn.Module):
-        mods = list(obj.modules())
-        if not all(_plain_torch(m, ("load_state_dict", "_load_from_state_dict"),
-                                ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")) for m in mods):
+        if not all(_plain_module(m) for m in obj.modules()):
             return
         keys = {k for k, _ in saved["d"]}
-        missing, unexpected = sorted(set(live_sd) - keys), sorted(keys - set(live_sd))
+        missing = sorted((k for k in set(live_sd) - keys if not str(k).endswith(_FILLED_IN)), key=str)
+        unexpected = sorted(keys - set(live_sd), key=str)
         if missing or unexpected:
             said = "; ".join(f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}" for what, names in
                              (("the live module has keys the checkpoint lacks:", missing),
@@ -224,8 +234,7 @@ def _refused_by_load_state_dict(node: dict[str, Any], obj: Any, live_sd: Any, pa
             raise CheckpointError(f"{path}: {said}; build the model with the configuration it was saved with "
                                   f"(nothing was loaded)")
     elif node.get("S") == "optimizer" and isinstance(obj, torch.optim.Optimizer):
-        if not _plain_torch(obj, ("load_state_dict",), ("_optimizer_load_state_dict_pre_hooks",
-                                                         "_optimizer_load_state_dict_post_hooks")):
+        if not _plain_optimizer(obj):
             return
         groups = dict((k, v) for k, v in saved["d"]).get("param_groups", {}).get("l")
         if not isinstance(groups, list):
@@ -245,13 +254,20 @@ def _copy_into(live: torch.Tensor, src: torch.Tensor, path: str) -> None:
     for d, (size, stride) in enumerate(zip(live.shape, live.stride())):
         if stride == 0 and size > 1:
             first = src.narrow(d, 0, 1)
-            if not torch.equal(src, first.expand_as(src)):
+            if not _same(src, first.expand_as(src)):
                 raise CheckpointError(
                     f"{path}: the live tensor is expanded along dimension {d} (one value in memory for all of "
                     f"it) but the checkpoint holds different values along it; load into a tensor of its own "
                     f"(.clone() it before load())")
             live, src = live.narrow(d, 0, 1), first
     live.copy_(src)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN."""
+    if a.is_floating_point():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
 
 
 def _like(live: Any, value: Any) -> Any:

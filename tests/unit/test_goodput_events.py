@@ -214,3 +214,19 @@ def test_a_forked_child_records_nothing_and_never_hangs_on_the_parents_lock(tmp_
     assert os.waitstatus_to_exitcode(status) == 0
     rec.close()
     assert [e["kind"] for e in lines(rec.path)] == ["start"]
+
+
+def test_alive_stops_at_a_hang_even_right_after_a_long_pause(tmp_path: Path) -> None:
+    """Steps of 1 s, an evaluation of 100 s, then a step that hangs: measured from the last
+    gap alone, the hang counted as training for 200 s."""
+    clock = [0.0]
+    rec = EventRecorder(tmp_path, clock=lambda: clock[0], flush_interval_s=0.5)  # its thread waits 0.5 s first
+    for t in (1.0, 2.0, 3.0, 103.0):  # the last step begins after the evaluation
+        clock[0] = t
+        rec.alive()
+    for t in (103.5, 104.5, 110.0, 150.0):
+        clock[0] = t
+        rec.flush()
+    alive = [e["t"] for e in lines(rec.path) if e["kind"] == ev.ALIVE]
+    assert alive == [103.5, 104.5], alive  # within two steps (and an interval) of the last step's start
+    rec.close()

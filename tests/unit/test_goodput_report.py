@@ -183,6 +183,17 @@ def test_a_last_attempt_without_end_shows_the_work_a_restart_would_lose(tmp_path
     assert json.loads(json.dumps(r.to_dict()))["unfinished"] == {"0": pytest.approx(4.65)}
 
 
+def test_at_risk_counts_from_a_step_every_rank_holds(tmp_path: Path) -> None:
+    """Several ranks: a step durable on this rank only ("local") is no step a restart can
+    go back to; the work at risk runs from the newest "global" one."""
+    write(tmp_path, 0, 1, [(0, "start", {}), (1, "load", {"step": None, "seconds": 0}),
+                           *steps(0, [2, 3, 4, 5]),
+                           (3, "save", {"step": 1, "blocked_s": 0}), (3.5, "durable", {"step": 1, "tier": "global"}),
+                           (5, "save", {"step": 3, "blocked_s": 0}), (5.5, "durable", {"step": 3, "tier": "local"}),
+                           (8, "alive", {})])
+    assert build_report(tmp_path).unfinished == pytest.approx({0: 8 - 3})
+
+
 def test_damaged_middle_line_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "events-rank00000-pid7.jsonl").write_text(
         '{"t": 0, "kind": "start"}\nnot json\n{"t": 2, "kind": "end"}\n')

@@ -128,6 +128,18 @@ def test_a_module_with_other_keys_is_refused_before_any_tensor_is_overwritten(lo
     assert torch.equal(live[0].weight, before) and "partly overwritten" not in str(err.value)
 
 
+def test_a_batchnorm_state_without_its_batch_count_still_loads(local_dir):
+    """torch's BatchNorm takes a state without num_batches_tracked (an older or cleaned
+    copy); the early check of a module's keys must not refuse what it would take."""
+    bn = torch.nn.BatchNorm1d(4)
+    bn(torch.randn(8, 4))
+    saved = {k: v for k, v in bn.state_dict().items() if k != "num_batches_tracked"}
+    _save(local_dir, {"m": saved})
+    live = torch.nn.BatchNorm1d(4)
+    assert _load(local_dir, {"m": live}) == 1
+    assert torch.equal(live.running_mean, bn.running_mean)
+
+
 def test_an_optimizer_with_other_parameter_groups_is_refused_before_any_tensor_is_overwritten(local_dir):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

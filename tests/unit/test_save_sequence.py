@@ -16,7 +16,8 @@ class Job:
 
     def rank(self, r: int) -> tuple[SaveSequence, list[int]]:
         exchanged: list[int] = []
-        seq = SaveSequence(r, self.successor, lambda s, why: self.failed.setdefault(s, why), exchanged.append)
+        seq = SaveSequence(r, self.successor, lambda s, why: self.failed.setdefault(s, why),
+                           lambda s, timeline: exchanged.append(s))
         return seq, exchanged
 
     def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
@@ -147,3 +148,19 @@ def test_after_a_load_the_same_step_numbers_start_a_new_sequence():
     run(b, [10, 20, 30])
     assert run(a, [15, 20, 25], timeline=1) == run(b, [15, 20, 25], timeline=1) == {15: "ok 0", 20: "ok 1", 25: "ok 2"}
     assert job.failed == {}
+
+
+def test_a_step_skipped_after_a_load_is_exchanged_in_the_timeline_it_was_saved_in():
+    """The skipper's empty exchange of step 3 (saved after the ranks' first load()) used
+    the keys of the writer's last commit, of the timeline before, when the skipper's
+    first act after the load was to publish a failure."""
+    job = Job()
+    told: list[tuple[int, int]] = []
+    a, _ = job.rank(0)
+    b = SaveSequence(1, job.successor, lambda s, why: job.failed.setdefault(s, why),
+                     lambda s, timeline: told.append((s, timeline)))
+    run(a, [1, 2])
+    run(b, [1, 2])
+    run(a, [3, 4], timeline=1)
+    run(b, [4], timeline=1)  # skips 3
+    assert told == [(3, 1)] and "rank 1 did not save step 3" in job.failed[3]

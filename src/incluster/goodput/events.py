@@ -116,7 +116,8 @@ class EventRecorder:
         self._wake = threading.Event()
         self._closed = False
         self._alive_t = 0.0  # when the latest optimizer step began (alive())
-        self._step_s = 0.0  # the time between the last two steps' beginnings
+        self._gaps: deque[float] = deque(maxlen=8)  # times between the latest steps' beginnings
+        self._step_s = 0.0  # the shortest of them: a step, not an evaluation pause between two
         self._alive_told = 0.0
         self.dropped = 0  # events lost to an I/O error or recorded after close(); never raised
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +151,8 @@ class EventRecorder:
         """Training is running (an optimizer step begins): plain stores, no I/O."""
         now = self._clock()
         if self._alive_t:
-            self._step_s = now - self._alive_t
+            self._gaps.append(now - self._alive_t)
+            self._step_s = min(self._gaps)
         self._alive_t = now
 
     def _run(self) -> None:

@@ -102,8 +102,10 @@ def at_risk(a: Attempt) -> float | None:
     goodput until a later attempt shows what was restored."""
     if a.ended:
         return None
-    durable = [e.get("step") for e in a.of(ev.DURABLE)]
-    steps = [s for s in durable if isinstance(s, int)]
+    durable = a.of(ev.DURABLE)
+    if any(e.get("tier") == "global" for e in durable):  # several ranks: a step this rank alone holds is no restart's
+        durable = [e for e in durable if e.get("tier") in ("global", "persistent")]
+    steps = [s for s in (e.get("step") for e in durable) if isinstance(s, int)]
     newest = max(steps) if steps else _restored_step(a)
     marks = _marks(a)
     held = [t for s, t in marks if newest is not None and s <= newest]

@@ -59,11 +59,11 @@ class SaveSequence:
     """This rank's place in the job's sequence of saves (the writer's commit thread only)."""
 
     def __init__(self, rank: int, successor: Successor, fail: Callable[[int, str], object],
-                 skipped: Callable[[int], None]) -> None:
+                 skipped: Callable[[int, int], None]) -> None:
         self.rank = rank
         self._successor = successor
         self._fail = fail  # publish a step's failure for every rank
-        self._skipped = skipped  # take part in a skipped step's exchange with nothing to send
+        self._skipped = skipped  # (step, timeline): take part in its exchange with nothing to send
         self.timeline = 0  # load() calls the trainer made before the steps checked
         self.pos: int | None = None  # the newest step this rank saved that the others saved too
         self.ordinal = 0  # pos's number in the sequence (0: the first save of the timeline)
@@ -115,7 +115,7 @@ class SaveSequence:
                    f"({SAME_STEPS})")
             log.error("incluster: %s", why)
             self._fail(won, why)
-            self._skipped(won)
+            self._skipped(won, self.timeline)
             self.pos, self.ordinal = won, number
         self.pos, self.ordinal = step, self.ordinal + 1  # a long run of skipped steps: the rest time out
 

@@ -59,7 +59,7 @@ class CommitService:
         self.timeline = 0
         # Called (commit thread) for a step the others saved and this rank skipped, before this
         # rank's next exchange: the writer takes part in its exchange with nothing to send.
-        self.on_skipped: Callable[[int], None] | None = None
+        self.on_skipped: Callable[[int, int], None] | None = None  # (step, timeline)
         self.sequence = None if params.store is None else SaveSequence(
             params.rank, self.coord.successor, self._fail_skipped, self._skipped)
         self.uploader = None
@@ -122,9 +122,9 @@ class CommitService:
         assert self.sequence is not None
         return self.fail(step, why, self.sequence.timeline)
 
-    def _skipped(self, step: int) -> None:
+    def _skipped(self, step: int, timeline: int) -> None:
         if self.on_skipped is not None:
-            self.on_skipped(step)
+            self.on_skipped(step, timeline)
 
     def exchanged(self, step: int, seq: tuple[int, int, int] | None = None) -> bool:
         """Whether the partners exchange ``step``'s replicas with this rank, which failed it:

@@ -109,8 +109,8 @@ class ThreadWriter:
         except RuntimeError:
             pass
 
-    def _exchange_skipped(self, step: int) -> None:
-        self._repl.submit(self._replicate, step, None)
+    def _exchange_skipped(self, step: int, timeline: int) -> None:
+        self._repl.submit(self._replicate, step, None, timeline)
 
     def _failed_in_order(self, step: int, seq: tuple[int, int, int] | None) -> None:
         if self._service.exchanged(step, seq):

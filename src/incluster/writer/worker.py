@@ -148,7 +148,7 @@ def serve(conn: Connection) -> None:
             replicas.put(partial(exchange, seq, step, None, False, timeline))
 
     # A step the others saved and this rank skipped: take part in its exchange, sending nothing.
-    service.on_skipped = lambda step: replicas.put(partial(exchange, 0, step, None, False, None))
+    service.on_skipped = lambda step, timeline: replicas.put(partial(exchange, 0, step, None, False, timeline))
 
     committer = threading.Thread(target=commit, name="incluster-commit", daemon=True)
     committer.start()
