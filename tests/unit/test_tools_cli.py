@@ -196,6 +196,23 @@ def test_export_assembles_dtensor_shards(cluster: dict[str, str], tmp_path: Any)
     assert side["leaves"] == {"progress/step": 5, "progress/lr": "nan", "progress/name": "rank0"}
 
 
+def test_export_names_values_that_differ_between_ranks(local_dir: str, tmp_path: Any, capsys: Any) -> None:
+    """A plain tensor or value that each rank holds with its own value (a per-rank counter,
+    an RNG state): the export takes rank 0's, and said nothing of the others."""
+    node = os.path.join(local_dir, "n")
+    for rank in range(2):
+        tensors, tree = rank_state(rank)
+        tensors["step"] = torch.tensor(7 + rank)  # rank 1's counter moved on
+        write_shard(os.path.join(node, "j", f"rank-{rank:05d}"), job="j", step=10, rank=rank, world=2, node="n",
+                    tensors=tensors, tree=tree)
+    code, text = inproc(capsys, "export", node, "--step", "10", "--to", "torch", str(tmp_path / "out.pt"))
+    assert code == 0, text
+    said = " ".join(text.split())
+    assert "2 value(s) differ between ranks; the export holds the first rank's of each" in said, said
+    assert "step (rank 1)" in said and "progress/name (rank 1)" in said and "model/b" not in said, said
+    assert int(torch.load(str(tmp_path / "out.pt"))["step"]) == 7
+
+
 def test_real_checkpoint_verify_ok_and_garbage_is_info(real: tuple[str, dict[str, torch.Tensor]]) -> None:
     root, _ = real
     folder = os.path.join(root, "j", "rank-00000")

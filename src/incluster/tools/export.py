@@ -5,7 +5,9 @@ then the persistent tier) and assembles a single state keyed by the flattened pa
 the sidecar trees (``model/layers.0.weight``, ``optim/state/0/exp_avg``):
 
 - plain tensors: rank 0's, then any path only a later rank holds (data-parallel ranks
-  all hold the same names; the first rank's copy is taken);
+  all hold the same names; the first rank's copy is taken). A later rank's copy of up to
+  ``COMPARED`` bytes, and every non-tensor value, is compared with the one taken: values
+  that differ between ranks (an RNG state, a per-rank counter) are named in a warning;
 - DTensor shards: placed into a tensor of ``global_shape`` at ``global_offset``
   (replicated copies are taken once); every element must be covered by some shard;
 - other values (numbers, strings, ...): in ``OUT.json`` for safetensors, in the dict
@@ -34,11 +36,15 @@ from incluster.tools.scan import open_copy
 from incluster.tools.ui import consoles, human, line, load
 
 
+COMPARED = 16 << 20  # a later rank's plain tensor up to this size is compared with the one exported
+
+
 @dataclass
 class Assembled:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     leaves: dict[str, Any] = field(default_factory=dict)
     pickled: list[str] = field(default_factory=list)
+    diverged: dict[str, list[int]] = field(default_factory=dict)  # path -> later ranks whose value differs
 
 
 class _Assembler:
@@ -55,6 +61,11 @@ class _Assembler:
                 t[path] = reader.tensor(node.get("T", node.get("P")))
                 if "P" in node:
                     self.out.pickled.append(path)
+            elif path not in self.shards and "T" in node and t[path].nbytes <= COMPARED:
+                mine = reader.tensor(node["T"])
+                if mine.dtype != t[path].dtype or mine.shape != t[path].shape or not torch.equal(
+                        mine.reshape(-1).view(torch.uint8), t[path].reshape(-1).view(torch.uint8)):
+                    self.out.diverged.setdefault(path, []).append(rank)
         elif "D" in node:
             if path in t and path not in self.shards:
                 raise CheckpointError(f"{path}: a DTensor on rank {rank} but a plain tensor on an earlier rank")
@@ -73,10 +84,11 @@ class _Assembler:
                 self.walk(child, f"{path}/{i}", reader, rank)
             if not items and path:
                 self.out.leaves.setdefault(path, [])
-        elif "v" in node:
-            self.out.leaves.setdefault(path, node["v"])
-        elif "f" in node:
-            self.out.leaves.setdefault(path, float(node["f"]))
+        elif "v" in node or "f" in node:
+            value = node["v"] if "v" in node else float(node["f"])
+            taken = self.out.leaves.setdefault(path, value)
+            if taken != value and not (taken != taken and value != value):  # NaN is NaN
+                self.out.diverged.setdefault(path, []).append(rank)
         else:
             raise CheckpointError(f"{reader.path}: unknown state tree node at {path or '<root>'}: {sorted(node)}")
 
@@ -217,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         try:
             state = assemble(readers)
+            diverged = state.diverged
             meta = {"format": "incluster-export", "version": 1, "job": job, "step": args.step, "world_size": w,
                     "sources": {str(r): c.where for r, c in used.items()}}
             if args.to == "dcp":
@@ -237,6 +250,11 @@ def run(args: argparse.Namespace) -> int:
         state = None  # type: ignore[assignment]  # drop views before unmapping
         for rd in readers.values():
             rd.close()
+    if diverged:
+        named = "; ".join(f"{p} (rank {', '.join(map(str, r))})" for p, r in list(diverged.items())[:8])
+        line(err, "[yellow]warning:[/]", f"{len(diverged)} value(s) differ between ranks; the export holds the "
+             f"first rank's of each, not these: {named}{' ...' if len(diverged) > 8 else ''} (tensors over "
+             f"{human(COMPARED)} are not compared)")
     nbytes = sum(os.path.getsize(f) for f in files)
     for r, c in used.items():
         line(out, f"rank {r}:", f"{c.where} ({c.tier if c.tier == 'persistent' else f'{c.tier} on {c.holder}'})")
