@@ -228,5 +228,7 @@ def test_alive_stops_at_a_hang_even_right_after_a_long_pause(tmp_path: Path) -> 
         clock[0] = t
         rec.flush()
     alive = [e["t"] for e in lines(rec.path) if e["kind"] == ev.ALIVE]
-    assert alive == [103.5, 104.5], alive  # within two steps (and an interval) of the last step's start
+    # within two steps (and an interval) of the last step's start; never at 110 or 150 (the
+    # recorder's own thread may add a line of an earlier clock value, when the test is slow)
+    assert max(alive) == 104.5, alive
     rec.close()

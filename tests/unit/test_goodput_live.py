@@ -75,7 +75,7 @@ def test_a_kill_inside_a_long_step_loses_the_step_begun_too(local_dir, tmp_path:
                            capture_output=True, text=True, timeout=90)
         assert p.returncode == (-9 if attempt == 0 else 0), p.stderr[-3000:]
     lost = build_report(run_dir).to_dict()["badput_s"]["lost_progress"]
-    assert 2.2 - 0.05 <= lost <= 2.8, lost  # at most 0.5 s (the recorder's interval) short of 2.7 s
+    assert 2.0 <= lost <= 2.8, lost  # about 0.5 s (the recorder's interval) short of 2.7 s at most; 1.8 before
 
 
 @pytest.mark.timeout(120)
