@@ -170,7 +170,11 @@ def snapshot(
 
 def _refuse(state: Mapping[str, Any], allow_pickle: bool) -> NoReturn:
     """save() refuses ``state``: walk it again with paths, raising the precise error."""
-    flatten_snapshot(state, allow_pickle=allow_pickle, depth_limit=MAX_SAVE_DEPTH)
+    try:
+        flatten_snapshot(state, allow_pickle=allow_pickle, depth_limit=MAX_SAVE_DEPTH)
+    except RecursionError:  # an object's own state_dict() nested past Python's limit (or a cycle)
+        raise CheckpointError("save() cannot store this state: it is nested too deep, or a dict or list holds "
+                              "itself; flatten it") from None
     raise CheckpointError(  # what the walk could not name (keys that merge inside an object's state_dict())
         "save() cannot store this state: a dict holds two keys that are one once stored as plain values "
         "(an int or str subclass beside its value); rename one")
@@ -388,7 +392,9 @@ class _Flattener:
         """A DTensor (or its :class:`dtensor.Pinned` capture): the local shard and placement."""
         return {"D": self.add_tensor(dtensor.local_of(dt), path), **dtensor.describe(dt)}
 
-    def walk(self, obj: Any, path: str, depth: int = 0) -> Any:
+    def walk(self, obj: Any, path: str, depth: int = 0, limit: int | None = None) -> Any:
+        """``limit``: the depth bound here (save()'s does not reach into the state dict of a
+        module or an optimizer, which save() does not walk)."""
         self.nodes += 1
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:  # the common case, first
@@ -411,7 +417,8 @@ class _Flattener:
             return {"v": _plain(obj)}
         if isinstance(obj, float):
             return _float_node(_plain(obj))
-        if depth >= self.depth_limit and (isinstance(obj, (Mapping, list, tuple, _Captured)) or is_stateful(obj)):
+        limit = self.depth_limit if limit is None else limit
+        if depth >= limit and (isinstance(obj, (Mapping, list, tuple, _Captured)) or is_stateful(obj)):
             raise CheckpointError(
                 f"{path[:60]}/.../{path[-40:]}: the state is nested deeper than {MAX_SAVE_DEPTH} levels of dicts, "
                 f"lists and objects, deeper than a checkpoint can be read back with; flatten it (e.g. join the "
@@ -426,18 +433,23 @@ class _Flattener:
                 if why is not None:
                     raise CheckpointError(f"{path or '<state>'}: {why}")
                 seen.add(k)
-                items.append([k, self.walk(v, f"{path}/{escape_part(k)}" if path else escape_part(k), depth + 1)])
+                items.append([k, self.walk(v, f"{path}/{escape_part(k)}" if path else escape_part(k), depth + 1, limit)])
             return {"d": items}
         if isinstance(obj, (list, tuple)):
             tag = "t" if isinstance(obj, tuple) else "l"
-            return {tag: [self.walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(obj)]}
+            return {tag: [self.walk(v, f"{path}/{i}", depth + 1, limit) for i, v in enumerate(obj)]}
         if isinstance(obj, _Captured):
             self.buffers.update(obj.buffers)
-            return {"S": obj.kind, "v": self.walk(obj.sd, path, depth + 1)}  # two tree levels, as save() counts it
+            inner = max(limit, _WALK_DEPTH) if obj.kind in ("module", "optimizer") else limit
+            return {"S": obj.kind, "v": self.walk(obj.sd, path, depth + 1, inner)}  # two tree levels, as save() counts
         if is_stateful(obj):
-            return self.walk(_capture(obj, self.flat.optimizers), path, depth)
+            return self.walk(_capture(obj, self.flat.optimizers), path, depth, limit)
         if self.allow_pickle:
-            data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            try:
+                data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception as exc:  # noqa: BLE001 - whatever pickle raises: the object cannot be stored
+                raise CheckpointError(f"{path}: cannot pickle a {type(obj).__module__}.{type(obj).__qualname__} "
+                                      f"({type(exc).__name__}: {exc}); leave it out of the state") from None
             return {"P": self.add_tensor(torch.frombuffer(data, dtype=torch.uint8), path)}
         import torch.utils.data as tud
 

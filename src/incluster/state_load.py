@@ -196,9 +196,11 @@ def mismatch(path: str, live: torch.Tensor, dtype: torch.dtype, shape: tuple[int
         )
 
 
-_MODULE_LOADS = (torch.nn.Module._load_from_state_dict,
-                 torch.nn.modules.batchnorm._NormBase._load_from_state_dict)  # fills in num_batches_tracked
-_FILLED_IN = "num_batches_tracked"  # a _NormBase takes a state without it (an older one, an EMA copy)
+_NORM = torch.nn.modules.batchnorm._NormBase
+# torch's loaders whose refusals are the keys' (a _NormBase fills in num_batches_tracked; an
+# _InstanceNorm's own rule refuses through the same error list)
+_MODULE_LOADS = (torch.nn.Module._load_from_state_dict, _NORM._load_from_state_dict,
+                 torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict)
 
 
 def _plain_module(m: torch.nn.Module) -> bool:
@@ -222,11 +224,22 @@ def _refused_by_load_state_dict(node: dict[str, Any], obj: Any, live_sd: Any, pa
     if not isinstance(saved, dict) or "d" not in saved:
         return
     if node.get("S") == "module" and isinstance(obj, torch.nn.Module):
-        if not all(_plain_module(m) for m in obj.modules()):
+        mods = dict(obj.named_modules())
+        others = tuple(f"{name}." for name, m in mods.items() if not _plain_module(m))
+        if "." in others:  # the module itself loads its own way
             return
+
+        def judged(key: Any) -> bool:  # not under a submodule that loads its own way
+            return not str(key).startswith(others) if others else True
+
+        def filled_in(key: Any) -> bool:  # a BatchNorm takes a state without its batch count
+            owner, _, name = str(key).rpartition(".")
+            norm = mods.get(owner)
+            return name == "num_batches_tracked" and isinstance(norm, _NORM) and norm.track_running_stats
+
         keys = {k for k, _ in saved["d"]}
-        missing = sorted((k for k in set(live_sd) - keys if not str(k).endswith(_FILLED_IN)), key=str)
-        unexpected = sorted(keys - set(live_sd), key=str)
+        missing = sorted((k for k in set(live_sd) - keys if judged(k) and not filled_in(k)), key=str)
+        unexpected = sorted((k for k in keys - set(live_sd) if judged(k)), key=str)
         if missing or unexpected:
             said = "; ".join(f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}" for what, names in
                              (("the live module has keys the checkpoint lacks:", missing),

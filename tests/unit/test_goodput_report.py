@@ -192,6 +192,11 @@ def test_at_risk_counts_from_a_step_every_rank_holds(tmp_path: Path) -> None:
                            (5, "save", {"step": 3, "blocked_s": 0}), (5.5, "durable", {"step": 3, "tier": "local"}),
                            (8, "alive", {})])
     assert build_report(tmp_path).unfinished == pytest.approx({0: 8 - 3})
+    write(tmp_path, 0, 1, [(0, "start", {"world_size": 2}), (1, "load", {"step": None, "seconds": 0}),
+                           *steps(0, [2, 3, 4, 5]),
+                           (5, "save", {"step": 3, "blocked_s": 0}), (5.5, "durable", {"step": 3, "tier": "local"}),
+                           (8, "alive", {})])  # a peer died before any step became global
+    assert build_report(tmp_path).unfinished == pytest.approx({0: 8 - 1})
 
 
 def test_damaged_middle_line_is_an_error(tmp_path: Path) -> None:

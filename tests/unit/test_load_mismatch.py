@@ -140,6 +140,27 @@ def test_a_batchnorm_state_without_its_batch_count_still_loads(local_dir):
     assert torch.equal(live.running_mean, bn.running_mean)
 
 
+def test_a_module_with_other_keys_beside_a_submodule_that_loads_its_own_way_is_still_refused_first(local_dir):
+    """An InstanceNorm (its own loader) or a submodule with a load hook turned the early
+    check off for the whole model; the keys outside that submodule are still judged. A
+    plain buffer named num_batches_tracked is no BatchNorm's: missing, it is refused."""
+    torch.manual_seed(0)
+    _save(local_dir, {"model": torch.nn.Sequential(torch.nn.Conv2d(2, 2, 1), torch.nn.InstanceNorm2d(2))})
+    live = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 1), torch.nn.InstanceNorm2d(2), torch.nn.Conv2d(2, 2, 1))
+    live[1].register_load_state_dict_pre_hook(lambda *args, **kw: None)
+    before = live[0].weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"model: the live module has keys the checkpoint lacks: "
+                                              r"\['2.bias', '2.weight'\]"):
+        _load(local_dir, {"model": live})
+    assert torch.equal(live[0].weight, before)
+
+    _save(local_dir, {"model": torch.nn.Sequential(torch.nn.Linear(2, 2))}, step=2)
+    counted = torch.nn.Linear(2, 2)
+    counted.register_buffer("num_batches_tracked", torch.tensor(0))  # a plain module's, not a BatchNorm's
+    with pytest.raises(CheckpointError, match=r"lacks: \['0.num_batches_tracked'\]"):
+        _load(local_dir, {"model": torch.nn.Sequential(counted)})
+
+
 def test_an_optimizer_with_other_parameter_groups_is_refused_before_any_tensor_is_overwritten(local_dir):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

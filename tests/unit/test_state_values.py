@@ -172,3 +172,22 @@ def test_what_save_refuses_is_always_a_checkpoint_error(local_dir, monkeypatch):
         for state in ({"s": deep}, {"s": merged}, {"l": [torch.ones(1)] * 8}):
             with pytest.raises(CheckpointError):
                 ck.save(1, state)
+
+
+def test_a_refusal_names_the_value_at_fault_not_a_deep_module_beside_it(local_dir):
+    """A module at depth 99 is within what save() takes; when another value was refused, the
+    walk that names it stopped at the module's state dict and blamed the depth. With
+    allow_pickle, an object pickle cannot take made save() raise pickle's TypeError."""
+    import threading
+
+    deep: dict = {"m": torch.nn.Linear(2, 2)}
+    for _ in range(state_mod.MAX_SAVE_DEPTH - 3):  # the module at depth 99
+        deep = {"n": deep}
+    with _ckpt(local_dir) as ck:
+        with pytest.raises(CheckpointError, match=r"z: cannot checkpoint a builtins.object"):
+            ck.save(1, {"extra": deep, "z": object()})
+        ck.save(2, {"extra": deep}).wait(60)
+    with incluster.Checkpointer(local_dir=local_dir, job="pickled", replicas=0, writer="thread",
+                                allow_pickle=True) as ck:
+        with pytest.raises(CheckpointError, match=r"lock: cannot pickle a _thread.lock"):
+            ck.save(1, {"extra": {"lock": threading.Lock(), "c": torch.ones(2, dtype=torch.complex64)}})

@@ -103,7 +103,8 @@ def at_risk(a: Attempt) -> float | None:
     if a.ended:
         return None
     durable = a.of(ev.DURABLE)
-    if any(e.get("tier") == "global" for e in durable):  # several ranks: a step this rank alone holds is no restart's
+    world = max((int(e["world_size"]) for e in a.of(ev.START) if isinstance(e.get("world_size"), int)), default=0)
+    if world > 1 or any(e.get("tier") == "global" for e in durable):  # a step this rank alone holds is no restart's
         durable = [e for e in durable if e.get("tier") in ("global", "persistent")]
     steps = [s for s in (e.get("step") for e in durable) if isinstance(s, int)]
     newest = max(steps) if steps else _restored_step(a)
