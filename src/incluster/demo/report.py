@@ -149,9 +149,9 @@ def _goodput(con: Any, run_dir: str, args: argparse.Namespace) -> None:
         from incluster.goodput.report import build_report, render
 
         render(build_report(run_dir), con)
-        con.print("lost progress above ends at the last event a killed process wrote (at most 0.5 s before the "
-                  "kill: the recorder writes twice a second), so it can be less than the steps lost the recovery "
-                  "table counts; the rest is in restart", style="dim")
+        con.print("lost progress above runs to the last event a killed process wrote (at most 0.5 s before the "
+                  "kill: the recorder writes twice a second; the rest is in restart) and counts a step begun but not "
+                  "finished, so it differs a little from the whole steps the recovery table counts", style="dim")
     except Exception as exc:  # noqa: BLE001 - the report is extra; the demo's verdict stands
         con.print(f"(goodput report unavailable: {exc})")
     try:
