@@ -230,7 +230,7 @@ def _refused_by_load_state_dict(node: dict[str, Any], obj: Any, live_sd: Any, pa
             return
 
         def judged(key: Any) -> bool:  # not under a submodule that loads its own way
-            return not str(key).startswith(others) if others else True
+            return not str(key).startswith(others)  # () starts nothing
 
         def filled_in(key: Any) -> bool:  # a BatchNorm takes a state without its batch count
             owner, _, name = str(key).rpartition(".")

@@ -10,7 +10,8 @@ import pytest
 
 from incluster.goodput.report import build_report
 
-CHILD = """
+# attempt 0 trains until it kills itself; attempt 1 restores and ends
+PREAMBLE = """
 import os, signal, sys, time
 import torch
 import incluster
@@ -24,7 +25,9 @@ start = ck.load(state)
 if attempt == 1:
     ck.close()
     sys.exit(0)
-for step in range(100):
+"""
+
+CHILD = PREAMBLE + """for step in range(100):
     model(torch.randn(4, 16)).sum().backward()
     opt.step()
     opt.zero_grad()
@@ -37,21 +40,7 @@ for step in range(100):
 """
 
 
-LONG_STEPS = """
-import os, signal, sys, time
-import torch
-import incluster
-
-local_dir, run_dir, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3])
-model = torch.nn.Linear(16, 16)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-state = {"model": model, "opt": opt}
-ck = incluster.Checkpointer(local_dir=local_dir, job="g", writer="thread", run_dir=run_dir)
-start = ck.load(state)
-if attempt == 1:
-    ck.close()
-    sys.exit(0)
-for step in range(100):
+LONG_STEPS = PREAMBLE + """for step in range(100):
     if step == 2:
         ck.save(step, state).wait()
         saved = time.time()
