@@ -67,6 +67,27 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tu
     return [(code, job) for code in codes]
 
 
+def _kill_when_hung(jobs: list[list[subprocess.Popen[str]]], marks: list[tuple[str, int, int]],
+                    timeout: float = 120) -> None:
+    """SIGKILL every process of each job once all its ranks hang with ``step``'s shard
+    renamed and its commit record unwritten, as a launcher kills a whole job whose node
+    died. Killing at the fault itself would race on several ranks: the first rank killed
+    takes the job store (rank 0's) along, and a slower rank's commit then fails on the
+    lost store before it gets there. A job one of whose processes ended first is killed
+    as it stands; the caller's checks name what went wrong."""
+    deadline, left = time.monotonic() + timeout, list(range(len(jobs)))
+    while left:
+        for i in list(left):
+            folder, ranks, step = marks[i]
+            hung = all(os.path.exists(os.path.join(folder, f"fault-sidecar-r{r}-s{step}")) for r in range(ranks))
+            if hung or any(p.poll() is not None for p in jobs[i]) or time.monotonic() > deadline:
+                for p in jobs[i]:
+                    if p.poll() is None:
+                        p.kill()
+                left.remove(i)
+        time.sleep(0.05)
+
+
 def _read(out: str, job: str, mode: str, rank: int | None) -> tuple[dict, dict]:
     name = f"{job}-{mode}" + ("" if rank is None else f"-rank{rank}")
     with open(os.path.join(out, f"{name}.json")) as f:
@@ -80,13 +101,21 @@ def test_accelerate_sigkill_resumes_bitwise(local_dir, tmp_path):
     require("accelerate", "accelerate")
     out = str(tmp_path)
     refs = [_start(out, local_dir, ref, "full", n) for ref, n in REFS.items()]
+    marks = {job: str(tmp_path / f"hung-{job}") for job, *_ in CASES}
+    for folder in marks.values():
+        os.makedirs(folder)
     crashes = [_start(out, local_dir, job, "crash", n, str(wait),
-                      env=FaultInjector().fail_at(phase="sidecar", step=kill, action="kill").env())
+                      env=FaultInjector().fail_at(phase="sidecar", step=kill, action="hang",
+                                                  marker_dir=marks[job]).env())
                for job, _, n, wait, kill in CASES]
+    _kill_when_hung(crashes, [(marks[job], n, kill) for job, _, n, _, kill in CASES])
     for code, text in [r for procs in refs for r in _finish(procs)]:
         assert code == 0, text
-    for code, text in [r for procs in crashes for r in _finish(procs)]:
-        assert code == -signal.SIGKILL, text
+    for (job, _, n, _, kill), procs in zip(CASES, crashes):
+        for code, text in _finish(procs):
+            assert code == -signal.SIGKILL, text
+        for rank in range(n):  # every rank held its save half written when the job was killed
+            assert os.path.exists(os.path.join(marks[job], f"fault-sidecar-r{rank}-s{kill}")), text
     for job, _, n, wait, kill in CASES:
         for rank in range(n):
             folder = os.path.join(local_dir, job, f"rank-{rank:05d}")
