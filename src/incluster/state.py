@@ -241,7 +241,8 @@ def _initialized(sd: Any, checked: bool = False) -> Any:
     so in save(), not as a shape error when the staging thread reaches it."""
     from torch.nn.parameter import UninitializedTensorMixin as lazy  # type: ignore[attr-defined]
     for k, v in sd.items():
-        if checked and isinstance(v, torch.Tensor) and v.dtype not in _STORABLE:
+        if checked and isinstance(v, torch.Tensor) and (v.dtype not in _STORABLE or v.is_meta
+                                                        or v.layout is not torch.strided):
             raise _Rejected
         if isinstance(v, lazy):
             raise CheckpointError(
@@ -257,8 +258,9 @@ def _pinned(sd: Any, checked: bool = False) -> Any:
     tensor, a DTensor as its local shard and spec (no dispatch: ~30 us saved each)."""
     for k, v in sd.items():  # values only: the dict (and its _metadata) stays
         cls = type(v)
-        if checked and isinstance(v, torch.Tensor) and v.dtype not in _STORABLE:
-            raise _Rejected
+        if checked and isinstance(v, torch.Tensor) and (v.dtype not in _STORABLE or v.is_meta
+                                                        or v.layout is not torch.strided):
+            raise _Rejected  # a module on the meta device, a sparse buffer: named by the walk
         if cls is torch.nn.Parameter or cls is torch.Tensor:
             sd[k] = v.detach()
         elif isinstance(v, torch.Tensor):
@@ -320,10 +322,13 @@ def _capture(
             # Only buffers the state dict holds: non-persistent ones are not saved, so not copied
             # (a non-persistent view of a saved buffer shares its pointer, not its view key).
             # Pointers first: a view key costs ~6 us, and a state dict holds thousands of tensors.
-            ptrs = {b.data_ptr() for b in bufs if b.numel() > 0}
-            saved = {view_key(v) for v in sd.values() if isinstance(v, torch.Tensor) and v.data_ptr() in ptrs}
+            # A sparse buffer has no data pointer: left out (one the state dict holds is refused).
+            bufs = [b for b in bufs if b.layout is torch.strided and b.numel() > 0]
+            ptrs = {b.data_ptr() for b in bufs}
+            saved = {view_key(v) for v in sd.values()
+                     if isinstance(v, torch.Tensor) and v.layout is torch.strided and v.data_ptr() in ptrs}
             for b in bufs:
-                if b.numel() > 0 and (key := view_key(b)) in saved:
+                if (key := view_key(b)) in saved:
                     buffers[key] = b.clone()
         return _Captured("module", sd, buffers)
     if isinstance(obj, torch.optim.Optimizer):

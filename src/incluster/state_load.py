@@ -9,6 +9,7 @@ the live tensor each stored name lands in.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 from typing import Any, Callable, Mapping
@@ -315,7 +316,8 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _loaded_in_place(module: torch.nn.Module, live_sd: Mapping[str, Any], new_sd: Mapping[str, Any]) -> bool:
     if set(live_sd) != set(new_sd):
         return False  # let load_state_dict report missing/unexpected keys
-    own = {t.data_ptr() for t in module.parameters()} | {t.data_ptr() for t in module.buffers()}
+    own = {t.data_ptr() for t in itertools.chain(module.parameters(), module.buffers())
+           if t.layout is torch.strided}  # a sparse buffer (left out of the state dict) has no data pointer
     for k, v in new_sd.items():
         if v is not live_sd[k] or not isinstance(v, torch.Tensor):
             return False

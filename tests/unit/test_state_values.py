@@ -191,3 +191,28 @@ def test_a_refusal_names_the_value_at_fault_not_a_deep_module_beside_it(local_di
                                 allow_pickle=True) as ck:
         with pytest.raises(CheckpointError, match=r"lock: cannot pickle a _thread.lock"):
             ck.save(1, {"extra": {"lock": threading.Lock(), "c": torch.ones(2, dtype=torch.complex64)}})
+
+
+def test_a_module_tensor_a_shard_cannot_hold_is_refused_by_save_itself(local_dir):
+    """A module on the meta device was refused on the staging thread, so the next save()
+    raised it and lost its own step; a module with a sparse buffer made save() raise
+    torch's "Cannot access data pointer". A sparse buffer the state dict leaves out is no
+    obstacle."""
+    meta = torch.nn.Linear(2, 2, device="meta")
+    sparse = torch.nn.Linear(2, 2)
+    sparse.register_buffer("adj", torch.eye(2).to_sparse())
+    hooked = torch.nn.Linear(2, 2, device="meta")  # a state-dict hook: the module's own state_dict() runs
+    hooked._register_state_dict_hook(lambda module, sd, prefix, local: sd)
+    with _ckpt(local_dir) as ck:
+        for step, (model, said) in enumerate([(meta, "m/weight: a tensor on the meta device"),
+                                              (hooked, "m/weight: a tensor on the meta device"),
+                                              (sparse, "m/adj: a torch.sparse_coo tensor cannot be stored")], 1):
+            with pytest.raises(CheckpointError, match=re.escape(said)):
+                ck.save(step, {"m": model})
+        kept = torch.nn.Linear(2, 2)
+        kept.register_buffer("adj", torch.eye(2).to_sparse(), persistent=False)
+        ck.save(4, {"m": kept}).wait(60)
+        weight = kept.weight.detach().clone()
+        with torch.no_grad():
+            kept.weight.zero_()
+        assert ck.load({"m": kept}) == 4 and torch.equal(kept.weight, weight)
