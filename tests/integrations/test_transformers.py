@@ -164,3 +164,82 @@ def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(loc
         assert trainer.incluster_resumed_step == 5 and trainer.state.global_step == 5
         assert all(torch.equal(v, done[k]) for k, v in again.state_dict().items())
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("incluster-trainer")) == [mine.name]
+
+
+def test_a_job_with_no_incluster_step_resumes_from_the_trainers_own_checkpoint(local_dir, tmp_path, caplog):
+    """A run moved from the Trainer's own checkpoints onto incluster with
+    resume_from_checkpoint=True started from scratch without a word, its progress in
+    output_dir/checkpoint-N ignored. It now goes on from the newest of them, as the Trainer
+    would: the steps after it match a run that never stopped."""
+    require("transformers", "transformers")
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from incluster.integrations.transformers import InclusterTrainer
+
+    g = torch.Generator().manual_seed(3)
+    data = [{"x": torch.randn(2, generator=g), "labels": torch.randn((), generator=g)} for _ in range(24)]
+
+    def args(out: str, steps: int) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path / out), max_steps=steps, save_steps=3, logging_steps=1,
+                                 per_device_train_batch_size=4, lr_scheduler_type="constant", report_to=[],
+                                 use_cpu=True, seed=0)
+
+    def model(seed: int):
+        torch.manual_seed(seed)
+        return _tiny()
+
+    Trainer(model=model(0), args=args("moved", 6), train_dataset=data).train()  # checkpoint-3 and -6
+    torch.save(None, tmp_path / "moved" / "checkpoint-6" / "partial")  # newest, but no state: not a checkpoint
+    os.remove(tmp_path / "moved" / "checkpoint-6" / "trainer_state.json")
+    ref = InclusterTrainer(model=model(0), args=args("ref", 9), train_dataset=data,
+                           checkpointer=dict(local_dir=local_dir, job="ref", writer="thread"))
+    ref.train()
+    moved = InclusterTrainer(model=model(7), args=args("moved", 9), train_dataset=data,
+                             checkpointer=dict(local_dir=local_dir, job="moved", writer="thread"))
+    with caplog.at_level("WARNING", logger="incluster"):
+        moved.train(resume_from_checkpoint=True)
+    said = [r.getMessage() for r in caplog.records if "checkpoint-3" in r.getMessage()]
+    assert said and "holds no step yet; resuming from the Trainer's own checkpoint" in said[0], caplog.text
+    assert moved.incluster_resumed_step is None and moved.incluster_handle.step == 9
+    losses = {e["step"]: e["loss"] for e in ref.state.log_history if "loss" in e}
+    again = {e["step"]: e["loss"] for e in moved.state.log_history if "loss" in e}
+    assert [again[s] for s in range(4, 10)] == [losses[s] for s in range(4, 10)]
+    for (name, value), mine in zip(ref.model.state_dict().items(), moved.model.state_dict().values()):
+        assert torch.equal(value, mine), name
+
+
+_FIND = """
+import os, sys
+import torch.distributed as dist
+from incluster.errors import CheckpointError
+from incluster.integrations.hf_state import trainer_checkpoint
+dist.init_process_group("gloo")
+out = os.path.join(sys.argv[1], f"rank{dist.get_rank()}" if sys.argv[2] == "apart" else "shared")
+try:
+    print("found", os.path.basename(trainer_checkpoint(out) or "none"))
+except CheckpointError as exc:
+    print("refused", exc)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiproc
+def test_ranks_that_find_different_trainer_checkpoints_are_refused(tmp_path):
+    """Each rank reads its own output_dir: a rank resuming from another step than its
+    peers would train on from a mixed state."""
+    from incluster.testing.launch import launch
+
+    script = tmp_path / "find.py"
+    script.write_text(_FIND)
+    for folder, steps in (("rank0", (3,)), ("rank1", (3, 6)), ("shared", (3, 6))):
+        for step in steps:
+            os.makedirs(tmp_path / folder / f"checkpoint-{step}")
+            (tmp_path / folder / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    for how, said in (("apart", "refused the job holds no incluster step, and the ranks find different Trainer "
+                                "checkpoints in output_dir '"), ("shared", "found checkpoint-6")):
+        job = launch([str(script), str(tmp_path), how], nodes=["n0"], ranks_per_node=2, base_dir=str(tmp_path / how))
+        assert job.wait(60) == [0, 0], [job.output(r) for r in range(2)]
+        for rank in range(2):
+            assert said in job.output(rank), job.output(rank)
+            assert how == "shared" or "(rank by rank: ['checkpoint-3', 'checkpoint-6'])" in job.output(rank)

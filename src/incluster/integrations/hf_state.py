@@ -5,11 +5,14 @@ and a training loader's position, as Stateful objects incluster stores without p
 hold (Python, NumPy, torch CPU and CUDA generators) as tensors and JSON scalars.
 ``DataPosition`` is where an epoch stands, with the generators that drew its order, so a
 resumed run can skip to the same batch and draw the same data (see
-``incluster.integrations.accelerate.AcceleratorCheckpoint.batches``). Imports no framework.
+``incluster.integrations.accelerate.AcceleratorCheckpoint.batches``). ``trainer_checkpoint``
+finds the Trainer's own newest ``checkpoint-N`` folder. Imports no framework.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, Mapping
 
 import torch
@@ -17,7 +20,7 @@ import torch
 from incluster.errors import CheckpointError
 from incluster.integrations.rng import RngState
 
-__all__ = ["RngState", "DataPosition", "loader_generators", "set_generators"]
+__all__ = ["RngState", "DataPosition", "loader_generators", "set_generators", "trainer_checkpoint"]
 
 
 def _numpy() -> Any:
@@ -86,3 +89,35 @@ def set_generators(gens: list[torch.Generator], states: list[torch.Tensor]) -> N
         )
     for g, st in zip(gens, states):
         g.set_state(st.to(torch.uint8).cpu())
+
+
+_TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+
+
+def trainer_checkpoint(output_dir: str | None) -> str | None:
+    """The newest ``checkpoint-N`` folder a ``transformers.Trainer`` wrote into
+    ``output_dir`` (one with its ``trainer_state.json``), or None. Under torch.distributed
+    every rank must find the same one: a rank that resumed from another step than its
+    peers would train on from a mixed state."""
+    found: list[tuple[int, str]] = []
+    try:
+        names = os.listdir(output_dir) if output_dir else []
+    except OSError:
+        names = []
+    for name in names:
+        m = _TRAINER_FOLDER.match(name)
+        path = os.path.join(str(output_dir), name)
+        if m and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            found.append((int(m.group(1)), path))
+    newest = max(found)[1] if found else None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, None if newest is None else os.path.basename(newest))
+        if len(set(seen)) > 1:
+            raise CheckpointError(
+                f"the job holds no incluster step, and the ranks find different Trainer checkpoints in "
+                f"output_dir {output_dir!r} (rank by rank: {seen}); give every rank the same output_dir "
+                f"(a shared folder), or pass resume_from_checkpoint='<output_dir>/checkpoint-N'")
+    return newest

@@ -19,7 +19,10 @@ it as usual, and ``_load_optimizer_and_scheduler``, ``_load_scaler`` and ``_load
 hand over the held parts at the moments the Trainer calls them. The data position the save
 counted is checked against the Trainer's skip before training goes on.
 
-A string path still resumes from a Trainer checkpoint folder, as before. Importing this
+A job that holds no incluster step yet resumes from the newest ``checkpoint-N`` folder
+the Trainer itself wrote into ``output_dir`` (a run moved onto incluster keeps its
+progress), with a warning that names it; every rank must find the same one. A string path
+still resumes from a Trainer checkpoint folder, as before. Importing this
 module does not import transformers; reading ``InclusterTrainer`` does.
 """
 
@@ -35,7 +38,7 @@ import tempfile
 from typing import Any
 
 from incluster.errors import CheckpointError
-from incluster.integrations.hf_state import RngState
+from incluster.integrations.hf_state import RngState, trainer_checkpoint
 
 __all__ = ["InclusterTrainer", "InclusterTrainerMixin", "with_incluster"]
 
@@ -110,6 +113,7 @@ class InclusterTrainerMixin:
         self._ic_owned = False
         self._ic_folder: str | None = None  # the stand-in checkpoint path of a restore
         self._ic_restored: _Restored | None = None
+        self._ic_from_trainer: str | None = None  # no incluster step: the Trainer's own checkpoint-N instead
         self._ic_position: dict[str, Any] | None = None
         self.incluster_handle: Any = None  # the SaveHandle of the latest save
         self.incluster_resumed_step: int | None = None
@@ -145,6 +149,7 @@ class InclusterTrainerMixin:
             if self._ic_folder is not None:
                 shutil.rmtree(self._ic_folder, ignore_errors=True)
             self._ic_folder, self._ic_restored, self._ic_position = None, None, None
+            self._ic_from_trainer = None
             if self._ic_owned and self._ic_checkpointer is not None:
                 self._ic_checkpointer.close()
                 self._ic_checkpointer, self._ic_owned = None, False
@@ -164,6 +169,10 @@ class InclusterTrainerMixin:
 
     def _ic_ours(self, checkpoint: Any) -> bool:
         return checkpoint is not None and self._ic_folder is not None and checkpoint == self._ic_folder
+
+    def _ic_path(self, checkpoint: Any) -> Any:
+        """The stand-in folder of a job resuming from the Trainer's own checkpoint is that checkpoint."""
+        return self._ic_from_trainer if self._ic_from_trainer is not None and self._ic_ours(checkpoint) else checkpoint
 
     # -- save ---------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -227,6 +236,8 @@ class InclusterTrainerMixin:
 
     # -- restore ------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: Any, model: Any = None) -> None:
+        if self._ic_from_trainer is not None:  # called again (FSDP, SageMaker): the Trainer's checkpoint
+            resume_from_checkpoint = self._ic_path(resume_from_checkpoint)
         if not self._ic_ours(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         from transformers.trainer_callback import TrainerState
@@ -238,8 +249,16 @@ class InclusterTrainerMixin:
         path = os.path.join(resume_from_checkpoint, _STATE_FILE)
         self.incluster_resumed_step = step
         if step is None:
-            log.info("incluster: job %r holds no step yet; the Trainer starts from scratch",
-                     getattr(getattr(self.checkpointer, "config", None), "job", "?"))
+            job = getattr(getattr(self.checkpointer, "config", None), "job", "?")
+            own = trainer_checkpoint(t.args.output_dir)
+            if own is not None:
+                log.warning("incluster: job %r holds no step yet; resuming from the Trainer's own checkpoint %s "
+                            "(incluster saves from here on)", job, own)
+                super()._load_from_checkpoint(own, model)  # type: ignore[misc]
+                shutil.copyfile(os.path.join(own, _STATE_FILE), path)
+                self._ic_from_trainer = own
+                return
+            log.info("incluster: job %r holds no step yet; the Trainer starts from scratch", job)
             TrainerState().save_to_json(path)  # Trainer.train reads it; the restore is then dropped
             return
         saved = json.loads(info["state"])
@@ -255,7 +274,8 @@ class InclusterTrainerMixin:
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: Any, trial: Any) -> tuple[int, int]:
         if self._ic_ours(resume_from_checkpoint) and self._ic_restored is None:
-            resume_from_checkpoint = None  # nothing saved yet: a fresh start
+            # nothing saved yet: the Trainer's own checkpoint, or a fresh start
+            resume_from_checkpoint = self._ic_from_trainer
         epochs, skip = super()._init_training_state(  # type: ignore[misc]
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
@@ -290,6 +310,7 @@ class InclusterTrainerMixin:
         return self._ic_restored.parts[key].value if self._ic_restored is not None else None
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        checkpoint = self._ic_path(checkpoint)
         if not self._ic_ours(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         t: Any = self
@@ -300,6 +321,7 @@ class InclusterTrainerMixin:
             t.lr_scheduler.load_state_dict(sched)
 
     def _load_scaler(self, checkpoint: Any) -> None:
+        checkpoint = self._ic_path(checkpoint)
         if not self._ic_ours(checkpoint):
             return super()._load_scaler(checkpoint)  # type: ignore[misc]
         t: Any = self
@@ -308,6 +330,7 @@ class InclusterTrainerMixin:
             t.accelerator.scaler.load_state_dict(scaler)
 
     def _load_rng_state(self, checkpoint: Any) -> None:
+        checkpoint = self._ic_path(checkpoint)
         if not self._ic_ours(checkpoint):
             return super()._load_rng_state(checkpoint)  # type: ignore[misc]
         rng = self._ic_part("rng")
