@@ -14,6 +14,9 @@
   first batches, not the epoch after it.
 - A loader made again each epoch with a larger batch size: a mid-epoch resume with that
   size is not refused (the size saved is the one in use at the save).
+- Epochs (``max_epochs``, no accumulation): a fit of one epoch saves its last batch; a fit
+  of three resumes there and stops after a mid-epoch save (an exception, as a crash); the
+  next fit resumes mid-epoch, at the batch after that save, not at its epoch's start.
 """
 
 from __future__ import annotations
@@ -58,13 +61,27 @@ class Tiny(pl.LightningModule):
         return DataLoader(data, batch_size=self.batch_size)
 
 
+class Crash(pl.Callback):
+    """Ends the fit with an exception once step ``at``'s save is durable."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.at:
+            trainer.strategy.incluster_last_save.wait(60)
+            raise RuntimeError("crash")
+
+
 def fit(max_steps: int, ckpt_path: str | None, job: str = "accumulate", every: int = 3, save_last: bool = True,
+        max_epochs: int | None = None, accumulate: int = 2, crash_at: int | None = None,
         **data: object) -> list[object]:
     strategy = InclusterDDPStrategy(checkpointer=dict(job=job, writer="thread"))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, accumulate_grad_batches=2,
-        reload_dataloaders_every_n_epochs=1 if data.get("grow") else 0,
-        callbacks=[InclusterCheckpoint(every_n_steps=every, save_last=save_last)], logger=False,
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, max_epochs=max_epochs,
+        accumulate_grad_batches=accumulate, reload_dataloaders_every_n_epochs=1 if data.get("grow") else 0,
+        callbacks=[InclusterCheckpoint(every_n_steps=every, save_last=save_last)]
+        + ([Crash(crash_at)] if crash_at is not None else []), logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     model = Tiny(**data)  # type: ignore[arg-type]
@@ -72,6 +89,9 @@ def fit(max_steps: int, ckpt_path: str | None, job: str = "accumulate", every: i
         trainer.fit(model, ckpt_path=ckpt_path)
     except CheckpointError as e:
         return ["refused", str(e)]
+    except RuntimeError as e:
+        if str(e) != "crash":
+            raise
     return [trainer.global_step, strategy.incluster_restored_step, model.seen]
 
 
@@ -89,6 +109,12 @@ def main() -> None:
     # epoch): step 9 is saved 2 batches into epoch 1, with batches of 8
     res["grow_first"] = fit(9, None, "grow", stateful=True, grow=True)
     res["grow_resumed"] = fit(11, INCLUSTER, "grow", stateful=True, grow=True)
+    # 16 batches of 4 per epoch, one step each; saved every 6 steps and at the end of a fit
+    epochs = dict(every=6, max_epochs=3, accumulate=1, stateful=True)
+    res["epochs_ref"] = fit(-1, None, "epochs-ref", **epochs)
+    res["epochs_one"] = fit(-1, None, "epochs", **{**epochs, "max_epochs": 1})  # 16: epoch 0's last batch
+    res["epochs_crash"] = fit(-1, INCLUSTER, "epochs", crash_at=30, **epochs)  # 30: 14 batches into epoch 1
+    res["epochs_resumed"] = fit(-1, INCLUSTER, "epochs", **epochs)
     with open(sys.argv[1], "w") as f:
         json.dump(res, f)
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort it

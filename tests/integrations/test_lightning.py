@@ -115,3 +115,10 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
     assert steps["epoch_end"] == [9, None] and steps["epoch_end_resumed"] == [10, 8], steps
     assert res["epoch_end_resumed"][2] == ref[16:], res["epoch_end_resumed"][2]
     assert steps["grow_first"] == [9, None] and steps["grow_resumed"] == [11, 9], res["grow_resumed"]
+    # Resumed on an epoch's last batch, Lightning never counted the next epoch as started, so
+    # its later saves resumed at that epoch's first batch: trained twice, the fit 14 steps longer.
+    ref = res["epochs_ref"][2]
+    assert steps["epochs_ref"][0] == 48 and [e for e, _ in ref] == [0] * 16 + [1] * 16 + [2] * 16
+    assert steps["epochs_one"] == [16, None] and steps["epochs_crash"] == [30, 16], steps
+    assert res["epochs_crash"][2] == ref[16:30]
+    assert steps["epochs_resumed"] == [48, 30] and res["epochs_resumed"][2] == ref[30:], res["epochs_resumed"]

@@ -81,6 +81,22 @@ class InclusterStrategyMixin:
         finally:
             super().teardown()  # type: ignore[misc]
 
+    def on_train_start(self) -> None:
+        """A step saved on an epoch's last batch (``every_n_steps`` dividing the epoch, or the
+        fit's last step) resumes in the next epoch: Lightning's fit loop closes the saved epoch
+        as it resets, but keeps its "restarted mid-epoch" stage for the next one, which it
+        then never counts as started. A later save in that epoch looked unstarted, and its
+        resume went back to the epoch's first batch: batches trained twice, the fit longer.
+        The next epoch now starts as in an uninterrupted run (started, its hooks called)."""
+        super().on_train_start()  # type: ignore[misc]
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        loop = getattr(trainer, "fit_loop", None)
+        epochs = getattr(loop, "epoch_progress", None)
+        if (loop is not None and epochs is not None and getattr(loop, "restarted_mid_epoch", False)
+                and loop.epoch_loop.batch_progress.is_last_batch
+                and epochs.current.processed == epochs.current.started):  # the reset closed the epoch
+            loop.reset_restart_stage()
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # restore into the wrapped model and the optimizers, in place
