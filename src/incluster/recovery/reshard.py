@@ -104,6 +104,13 @@ class Reshard:
             f"resharded from {self.maps.old_world} ranks: {len(pieces)} pieces from {len(servers)} rank(s), "
             f"own values of old rank {src.owner}"
         )
+        kept = {source_of(r, self.maps.old_world, self.rule, self.world) for r in range(self.world)}
+        dropped = [o for o in range(self.maps.old_world) if o not in kept]
+        if dropped and self.me == 0:
+            log.warning("incluster: step %d was saved by %d ranks and restored into %d: the own values (plain tensors, "
+                        "RNG, data-loader position) of old rank(s) %s are not restored, their DTensor shards are; "
+                        "values DDP keeps equal on every rank lose nothing", self.step, self.maps.old_world,
+                        self.world, _ranges(dropped))
         if src.owner != self.me:
             why = "it did not exist in the old world" if self.me >= self.maps.old_world else f"reshard_rank_state={self.rule!r}"
             log.warning("incluster: rank %d took its own values (plain tensors, RNG, data-loader position) from old "
@@ -301,3 +308,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _run(dist: Any, ops: list[Any]) -> None:
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7" (a job of thousands of ranks names them in one line)."""
+    out: list[str] = []
+    for r in ranks:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
