@@ -16,7 +16,8 @@
   size is not refused (the size saved is the one in use at the save).
 - Epochs (``max_epochs``, no accumulation): a fit of one epoch saves its last batch; a fit
   of three resumes there and stops after a mid-epoch save (an exception, as a crash); the
-  next fit resumes mid-epoch, at the batch after that save, not at its epoch's start.
+  next fit resumes mid-epoch, at the batch after that save, not at its epoch's start. A fit
+  of that job without ``ckpt_path`` is refused before it trains.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def main() -> None:
     res["epochs_one"] = fit(-1, None, "epochs", **{**epochs, "max_epochs": 1})  # 16: epoch 0's last batch
     res["epochs_crash"] = fit(-1, INCLUSTER, "epochs", crash_at=30, **epochs)  # 30: 14 batches into epoch 1
     res["epochs_resumed"] = fit(-1, INCLUSTER, "epochs", **epochs)
+    res["epochs_behind"] = fit(-1, None, "epochs", **epochs)  # no ckpt_path: its first save would be refused
     with open(sys.argv[1], "w") as f:
         json.dump(res, f)
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort it

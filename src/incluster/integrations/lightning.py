@@ -94,6 +94,7 @@ class _CheckpointHooks:
         # A resumed run's first batches may not step (gradient accumulation): the restored
         # step is saved already and must not be saved again.
         self._last_saved = trainer.global_step
+        _refuse_a_fit_behind_its_job(trainer, self.every_n_steps)
         now = resumable_batch_sizes(trainer.train_dataloader)
         saved, self._saved_batch_size = self._saved_batch_size, None
         if saved is not None and now is not None and saved != now:
@@ -111,6 +112,23 @@ class _CheckpointHooks:
         if self._pending_rng is not None:
             RngState().load_state_dict(self._pending_rng)
             self._pending_rng = None
+
+
+def _refuse_a_fit_behind_its_job(trainer: Any, every: int) -> None:
+    """A fit started without ``ckpt_path="incluster"`` on a job that holds newer steps on
+    this node trained until its first save, which incluster refuses (steps must increase):
+    say so before training, with the fix."""
+    if str(getattr(trainer, "ckpt_path", None)) == INCLUSTER:
+        return
+    ckpt = trainer.strategy.incluster
+    held = max((sl.step for sl in ckpt.ring.slots if sl.step is not None), default=None)
+    first = (trainer.global_step // every + 1) * every
+    if held is not None and first <= held:
+        raise CheckpointError(
+            f"job {ckpt.config.job!r} already holds step {held} on this node, and this fit starts at step "
+            f"{trainer.global_step} without ckpt_path=\"incluster\": its first save (step {first}) would be refused, "
+            f"as checkpoint steps must increase. Pass trainer.fit(..., ckpt_path=\"incluster\") to continue the "
+            f"job, or give the strategy another job (checkpointer=dict(job=...)) to start afresh")
 
 
 def _ends_fit(trainer: Any) -> bool:

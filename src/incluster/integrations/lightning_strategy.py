@@ -184,7 +184,8 @@ class InclusterStrategyMixin:
             log.warning("incluster: this fit resumes from incluster but has no InclusterCheckpoint callback, so it "
                         "saves nothing there; add callbacks=[InclusterCheckpoint(every_n_steps=N)]")
         if step is None:
-            log.info("incluster: job %r has no checkpoint yet; training starts from scratch", self.incluster.config.job)
+            log.warning("incluster: job %r has no checkpoint yet; training starts from scratch (Lightning's "
+                        "\"Restored all states\" restores nothing)", self.incluster.config.job)
             return _NoCheckpoint(trainer)
         return ls.to_checkpoint(
             state, model.state_dict(), [o.state_dict() for o in optimizers] if fitting else []
