@@ -186,7 +186,7 @@ def resolve(
     _path("run_dir", run_dir)
     rd = run_dir if run_dir is not None else env.get("INCLUSTER_RUN_DIR")
     return Config(
-        local_dir=os.path.abspath(os.fspath(local_dir or default_local_dir())),
+        local_dir=os.path.abspath(os.path.expanduser(os.fspath(local_dir or default_local_dir()))),
         job=job or env.get("INCLUSTER_JOB") or default_job(),
         node=node or env.get("INCLUSTER_NODE") or socket.gethostname(),
         keep=keep,
@@ -194,7 +194,7 @@ def resolve(
         allow_pickle=allow_pickle,
         slot_timeout_s=slot_timeout_s,
         fsync=fsync,
-        run_dir=os.fspath(rd) if rd else None,
+        run_dir=os.path.expanduser(os.fspath(rd)) if rd else None,
         writer=writer,
         gpu_snapshot=gpu_snapshot,
         gpu_drain=gpu_drain,
@@ -232,8 +232,8 @@ _JOB_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def _persistent_url(value: Any) -> Any:
-    """A plain path becomes absolute (every rank and the writer agree on it); URLs and
-    Tier objects stay as they are."""
+    """A plain path becomes absolute, ``~`` expanded (every rank and the writer agree on
+    it); URLs and Tier objects stay as they are."""
     from incluster.tiers.base import Tier
 
     if isinstance(value, Tier):
@@ -251,4 +251,6 @@ def _persistent_url(value: Any) -> Any:
     from incluster.tiers.persistent import check_url
 
     check_url(text)  # a one-slash URL or an unknown protocol: refused here, not written to ./s3:/...
-    return text if "://" in text else os.path.abspath(text)
+    # "~" as the shell would: a folder named "~" under the working directory would be another
+    # tier for a relaunch from another folder, which then found nothing and started afresh
+    return text if "://" in text else os.path.abspath(os.path.expanduser(text))

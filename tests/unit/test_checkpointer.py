@@ -420,6 +420,22 @@ def test_a_mistyped_persistent_url_is_refused_not_written_to_a_local_folder(loca
     assert not list(tmp_path.iterdir())  # nothing written under the working directory
 
 
+def test_a_tilde_in_a_path_is_the_home_folder_not_a_folder_named_tilde(local_dir, tmp_path, monkeypatch):
+    """``persistent="~/tier"`` wrote to ./~/tier: a relaunch from another folder found
+    nothing there and started from scratch without a word."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread", persistent="~/tier",
+                                persistent_every=1) as ck:
+        assert ck.config.persistent == str(tmp_path / "home" / "tier")
+        assert ck.save(1, {"w": torch.ones(2)}).persisted.result(60)
+    assert (tmp_path / "home" / "tier" / "j").is_dir() and not (tmp_path / "~").exists()
+    monkeypatch.setenv("HOME", os.path.dirname(local_dir))  # local_dir="~/<its name>" is local_dir itself
+    with incluster.Checkpointer(local_dir=os.path.join("~", os.path.basename(local_dir)), job="j",
+                                writer="thread") as ck:
+        assert ck.config.local_dir == local_dir and ck.load({"w": torch.zeros(2)}) == 1
+
+
 def test_a_local_dir_that_cannot_hold_folders_names_the_option_and_the_fix(local_dir, tmp_path):
     (tmp_path / "a-file").write_text("")
     for bad in (tmp_path / "a-file", tmp_path / "a-file" / "below"):

@@ -417,6 +417,20 @@ def test_ls_into_a_pipe_keeps_every_row_whole(local_dir: str) -> None:
 
 def test_a_url_with_an_unknown_protocol_is_an_error_naming_it_not_a_traceback(capsys: Any) -> None:
     for cmd in ("ls", "verify"):
-        for url, says in (("foo://bar", "fsspec knows no protocol 'foo'"), ("S3://b/x", "write s3://")):
+        for url, says in (("foo://bar", "fsspec knows no protocol 'foo'"), ("S3://b/x", "write s3://"),
+                          ("s3:/b/x", "s3:/ has one slash, so it would be a local folder named 's3:'; write s3://b/x")):
             code, text = inproc(capsys, cmd, url)
             assert code == 2 and says in text and "Traceback" not in text, (cmd, url, text)
+
+
+def test_without_dir_a_missing_ram_folder_and_a_job_not_there_are_named(real: tuple[str, dict[str, torch.Tensor]],
+                                                                     capsys: Any, monkeypatch: Any) -> None:
+    """No DIR and no RAM folder on this node: the error suggested that very folder. A --job
+    that is not there: verify said "no checkpoints found", ls listed nothing, neither why."""
+    root, _ = real
+    monkeypatch.setenv("INCLUSTER_LOCAL_DIR", os.path.join(root, "gone"))
+    code, text = inproc(capsys, "ls")
+    assert code == 2 and "no DIR given, and this node's RAM folder" in text and "its local_dir" in text, text
+    for cmd, rc in (("ls", 0), ("verify", 1)):
+        code, text = inproc(capsys, cmd, root, "--job", "nojob")
+        assert code == rc and "job 'nojob' is not there, these are: j" in text, (cmd, text)

@@ -57,6 +57,10 @@ def _here_by_default(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
             from incluster.config import default_local_dir
 
             args.dirs = [default_local_dir()]
+            import os
+
+            if not os.path.exists(args.dirs[0]):
+                args.default_missing = args.dirs[0]  # tools.ui.load says so, not "name a RAM folder"
         return run(args)
 
     return with_dirs

@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if inv is None:
         return 2
     if not inv.copies:
-        out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}", markup=False)
+        out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}{inv.elsewhere(args.job)}",
+                  markup=False)
     else:
         shared = any(c.shared for c in inv.copies)
         out.print(table(inv, shared))

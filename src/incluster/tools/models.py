@@ -70,6 +70,12 @@ class Inventory:
     notes: list[Note] = field(default_factory=list)
     problems: list[tuple[str, int, str]] = field(default_factory=list)  # (job, step, fault) outside any one copy
     folders: set[tuple[str, int]] = field(default_factory=set)  # (job, rank) with a folder (or tier entry) scanned
+    jobs: set[str] = field(default_factory=set)  # every job found, before --job filtered them
+
+    def elsewhere(self, job: str | None) -> str:
+        """Where --job left everything out: the jobs that are there, for the message."""
+        others = sorted(self.jobs - {job}) if job is not None else []
+        return f"; job {job!r} is not there, these are: {', '.join(others)}" if others else ""
 
     def steps(self) -> dict[tuple[str, int], dict[int, list[Copy]]]:
         """``(job, step) -> rank -> copies``, each rank's copies in tier order."""

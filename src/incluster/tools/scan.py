@@ -40,6 +40,10 @@ def scan(paths: list[str], persistent: list[str] | None = None, job: str | None 
             scan_persistent(p, inv)
             continue
         if not os.path.isdir(p):
+            if not os.path.exists(p):
+                from incluster.tiers.persistent import check_url
+
+                check_url(p)  # "s3:/bucket/x": names the fix, not a missing folder named "s3:"
             what = "a file, not a folder" if os.path.exists(p) else "no such folder"
             raise CheckpointError(f"{p}: {what}; name a node's RAM folder (e.g. /dev/shm/incluster) or a job folder")
         found = 0
@@ -53,6 +57,7 @@ def scan(paths: list[str], persistent: list[str] | None = None, job: str | None 
             inv.notes.append(Note(p, "no incluster job folder (rank-RRRRR/ or step-N/) found here"))
     for url in persistent or []:
         scan_persistent(url, inv)
+    inv.jobs = {c.job for c in inv.copies} | {f[0] for f in inv.folders}
     if job is not None:
         inv.folders = {f for f in inv.folders if f[0] == job}
         inv.copies = [c for c in inv.copies if c.job == job]

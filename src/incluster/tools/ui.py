@@ -37,6 +37,12 @@ def human(n: int) -> str:
 
 def load(args: argparse.Namespace, err: Console) -> Inventory | None:
     """Scan the DIRs named on the command line; None (after saying why) if that fails."""
+    missing = getattr(args, "default_missing", None)
+    if missing is not None:
+        line(err, "[red]error:[/]", f"no DIR given, and this node's RAM folder {missing} ($INCLUSTER_LOCAL_DIR, else "
+                                    f"/dev/shm/incluster) does not exist: no job saved there on this node. Name the "
+                                    f"folder a job saved into (its local_dir), or a persistent tier (--persistent URL)")
+        return None
     try:
         return scan(args.dirs, args.persistent, args.job)
     except (CheckpointError, OSError) as exc:

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         what = f"step {args.step}" if args.step is not None else "checkpoints"
         there = sorted({s for _, s in every})
         held = f" (it holds step{'s' if len(there) != 1 else ''} {', '.join(map(str, there))})" if there else ""
-        line(out, "[red]FAULT:[/]", f"no {what} found under {where}{held}")
+        line(out, "[red]FAULT:[/]", f"no {what} found under {where}{held}{inv.elsewhere(args.job)}")
         return 1
     copies = [c for ranks in steps.values() for cs in ranks.values() for c in cs]
     results = check_copies(copies, err)
