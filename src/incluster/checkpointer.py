@@ -18,6 +18,7 @@ import os
 import re
 import threading
 import time
+import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
@@ -186,7 +187,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
             node=self.config.node,
             keep=self.config.keep,
             share_replicas=self.config.share_replicas,
-            persist=wiring.persist_params(self.config, self.rank, self.world_size),
+            persist=wiring.persist_params(self.config, self.rank, self.world_size,
+                                          address.run if address is not None else uuid.uuid4().hex),
             node_folders=node_folders,
         )
         self.replica_targets = targets

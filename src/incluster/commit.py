@@ -48,6 +48,7 @@ class StoreAddress:
     job: str
     world_size: int
     copies_per_rank: int = 1  # 1 + replicas
+    run: str = ""  # drawn by rank 0 for this launch: every rank's persistent manifests carry it
 
     @property
     def quorum(self) -> int:
@@ -284,4 +285,6 @@ def host_store(job: str, world_size: int, copies_per_rank: int = 1) -> tuple[obj
 
     host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     server = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    return server, StoreAddress(host, int(server.port), job, world_size, copies_per_rank)
+    import uuid
+
+    return server, StoreAddress(host, int(server.port), job, world_size, copies_per_rank, uuid.uuid4().hex)

@@ -45,7 +45,8 @@ class Config:
     """Tier 2: a path or fsspec URL (s3://bucket/run, gs://..., /mnt/ckpt), or a Tier
     object (picklable when writer="process"); None = off."""
     persistent_every: int = 10
-    """Every Nth local checkpoint also goes to the persistent tier."""
+    """Every Nth local checkpoint also goes to the persistent tier: the 1st, the N+1st, ...
+    of each run (counted again from a load()), so a run's first save is always there."""
     persistent_interval_s: float | None = None
     """Instead of every Nth: a persistent checkpoint at most this often. Rank 0's clock
     decides after its commit; the other writers learn it in the background, never in
@@ -174,12 +175,16 @@ def resolve(
     reshard_rank_state: str = "same-rank",
     share_replicas: bool = True,
     persistent: Any = None,
-    persistent_every: int = 10,
+    persistent_every: int | None = None,
     persistent_interval_s: float | None = None,
     persistent_keep: int = 2,
     persistent_options: dict | None = None,  # type: ignore[type-arg]
 ) -> Config:
     """Fill unset options from the environment, then validate."""
+    if persistent_every is not None and persistent_interval_s is not None:
+        raise ValueError(
+            f"persistent_every={persistent_every!r} and persistent_interval_s={persistent_interval_s!r} each choose "
+            f"the steps that go to the persistent tier (every Nth save, or at most one per interval); pass one")
     env = os.environ
     check_env()
     _path("local_dir", local_dir)
@@ -201,7 +206,7 @@ def resolve(
         reshard_rank_state=reshard_rank_state,
         share_replicas=share_replicas,
         persistent=_persistent_url(persistent if persistent is not None else env.get("INCLUSTER_PERSISTENT")),
-        persistent_every=persistent_every,
+        persistent_every=10 if persistent_every is None else persistent_every,
         persistent_interval_s=persistent_interval_s,
         persistent_keep=persistent_keep,
         persistent_options=persistent_options,

@@ -53,6 +53,7 @@ class PersistParams:
     keep: int = 2
     retries: int = 3
     timeout_s: float = 600.0
+    run: str = ""  # this Checkpointer's id, in its manifests: the steps it wrote itself (Uploader._open_step)
 
 
 def manifested_steps(tier: Any, job: str) -> list[int]:
@@ -169,6 +170,7 @@ class Uploader:
         self._timeline = 0  # the load() count of the upload in flight (its keys: Coordinator.at)
         self._done: Callable[[str | None], None] | None = None
         self._newer_told = False  # rank 0: the steps of a timeline not continued were named
+        self._older_checked = False  # rank 0: the older steps in the tier were found this run's own
         self._completing = False  # this rank's count completed the upload in flight: it writes the manifest
         self.loaded = False  # the save being uploaded came after a load() (CommitRequest.loaded)
         # With interval_s, steps whose due-or-not decision is awaited: each is reported
@@ -414,7 +416,7 @@ class Uploader:
             self._completing = True
             infos = sorted((json.loads(i) for i in coord.persist_infos(step)), key=lambda i: i["rank"])
             manifest = {"format": "incluster-manifest", "version": 1, "job": self.p.job, "step": step,
-                        "world_size": self.p.world_size, "ranks": infos, "created": time.time()}
+                        "world_size": self.p.world_size, "ranks": infos, "created": time.time(), "run": self.p.run}
             self._retry("manifest upload", lambda: self.tier.write(f"{d}/{MANIFEST}", memoryview(json.dumps(manifest).encode())))
             coord.persist_outcome(step, "ok", 0)
             try:
@@ -443,6 +445,14 @@ class Uploader:
                 f"the persistent tier already holds step(s) {newer or [step]} of job {self.p.job!r}, as new as this "
                 f"run's step {step} or newer, and this run did not call load(): it would overwrite or fork that "
                 f"job's timeline. Call load() first to go on from them, or name a new job")
+        if not self.loaded and not self._older_checked:
+            others = self._others_steps(sorted(s for s in steps if s < step))
+            if others:
+                raise CheckpointError(
+                    f"the persistent tier holds step(s) {others} of job {self.p.job!r} from another run, and this run "
+                    f"did not call load(): its uploads would fork that job's timeline, and retention would delete "
+                    f"them. Call load() first to go on from them, or name a new job")
+            self._older_checked = True
         if newer and not self._newer_told:
             self._newer_told = True
             log.warning("incluster: the persistent tier holds step(s) %s of job %r, newer than this run's step %d: "
@@ -453,6 +463,22 @@ class Uploader:
             log.info("incluster: the persistent tier's manifest of step %d (another timeline's) is removed before "
                      "this run's shards of it are written", step)
             self.tier.delete(f"{step_dir(self.p.job, step)}/{MANIFEST}")
+
+    def _others_steps(self, steps: list[int]) -> list[int]:
+        """Which of ``steps`` (older than the one opened) another run manifested: not this
+        Checkpointer's (its id is in the manifest), also when its writer was started again."""
+        out = []
+        for s in steps:
+            path = f"{step_dir(self.p.job, s)}/{MANIFEST}"
+            if MANIFEST not in self.tier.list(step_dir(self.p.job, s)):
+                continue  # an upload never finished: no step of any run (retention clears it)
+            try:
+                run = json.loads(bytes(self.tier.read(path))).get("run")  # type: ignore[arg-type]
+            except ValueError:
+                run = None  # unreadable: not this run's (it wrote every one of its own whole)
+            if run != self.p.run:
+                out.append(s)
+        return out
 
     def _retention(self, newest: int) -> None:
         """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older."""

@@ -89,7 +89,8 @@ def persistent_tier(config: Config) -> Any:
     return open_tier(config.persistent, config.persistent_options)
 
 
-def persist_params(config: Config, rank: int, world_size: int) -> PersistParams | None:
+def persist_params(config: Config, rank: int, world_size: int, run: str) -> PersistParams | None:
+    """``run``: the launch's id, the same on every rank (``StoreAddress.run``)."""
     c = config
     if not c.persistent:
         return None
@@ -109,5 +110,5 @@ def persist_params(config: Config, rank: int, world_size: int) -> PersistParams 
     return PersistParams(
         url=c.persistent, options=dict(c.persistent_options or {}), job=c.job, rank=rank,
         world_size=world_size, every=c.persistent_every, interval_s=c.persistent_interval_s,
-        keep=c.persistent_keep, timeout_s=c.slot_timeout_s,
+        keep=c.persistent_keep, timeout_s=c.slot_timeout_s, run=run,
     )

@@ -407,6 +407,9 @@ def test_a_misspelt_or_mistyped_option_is_refused_naming_the_fix(local_dir):
         incluster.Checkpointer(local_dir=local_dir, slot_timeout_s="3")
     with pytest.raises(TypeError, match=r"persistent must be a path, a URL \(s3://bucket/prefix\) or an incluster Tier, not int 5"):
         incluster.Checkpointer(local_dir=local_dir, persistent=5)
+    with pytest.raises(ValueError, match=r"persistent_every=3 and persistent_interval_s=1.0 each choose .*; pass one"):
+        incluster.Checkpointer(local_dir=local_dir, persistent=local_dir + "-tier", persistent_every=3,
+                               persistent_interval_s=1.0)  # before, persistent_every was ignored without a word
 
 
 def test_a_mistyped_persistent_url_is_refused_not_written_to_a_local_folder(local_dir, tmp_path, monkeypatch):

@@ -37,8 +37,8 @@ def _run(local_dir, persistent, steps, writer="thread", **kw):
     return handles
 
 
-def _manifests(root):
-    return sorted(n for n in os.listdir(os.path.join(root, "p")) if os.path.exists(os.path.join(root, "p", n, "COMMITTED.json")))
+def _manifests(root, job="p"):
+    return sorted(n for n in os.listdir(os.path.join(root, job)) if os.path.exists(os.path.join(root, job, n, "COMMITTED.json")))
 
 
 def test_every_nth_step_is_uploaded_with_a_manifest_and_old_ones_retired(local_dir, tmp_path):
@@ -423,6 +423,35 @@ def test_an_old_manifest_of_a_step_number_saved_again_never_vouches_for_the_new_
         with pytest.raises(incluster.TierUnavailableError):
             h.persisted.result(60)
     assert _manifests(root) == ["step-000000000004", "step-000000000008"]
+
+
+def test_a_run_that_never_loaded_does_not_push_the_jobs_older_persistent_steps_out(local_dir, tmp_path):
+    """The same with step numbers above the tier's: the new run's uploads landed, and
+    retention silently deleted the steps of the run before. Its own earlier uploads (a
+    writer started again included) never count as another run's."""
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, (9, 11, 13), persistent_keep=2)  # every 2nd save: 9 and 13
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1) as ck:
+        h = ck.save(14, _state(14.0))
+        with pytest.raises(incluster.TierUnavailableError, match=r"step\(s\) \[9, 13\] of job 'p' from another run, "
+                                                                r"and this run did not call load\(\)"):
+            h.persisted.result(60)
+    assert _manifests(root) == ["step-000000000009", "step-000000000013"]
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1) as ck:  # after a load(): its timeline goes on
+        assert ck.load(_state(0.0)) == 13
+        for step in (15, 16, 17):
+            assert ck.save(step, _state(float(step))).persisted.result(60)
+    assert _manifests(root) == ["step-000000000016", "step-000000000017"]
+    shutil.rmtree(root)
+    with incluster.Checkpointer(local_dir=local_dir, job="q", writer="thread", persistent=root,
+                                persistent_every=1) as ck:  # never loaded, the tier holds only its own steps
+        for step in (1, 2, 3):
+            assert ck.save(step, _state(float(step))).persisted.result(60)
+    assert _manifests(root, "q") == ["step-000000000002", "step-000000000003"]
 
 
 def test_a_run_that_never_loaded_does_not_overwrite_nor_remove_the_jobs_persistent_steps(local_dir, tmp_path):
