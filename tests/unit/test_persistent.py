@@ -337,6 +337,7 @@ def test_close_with_an_upload_that_never_ends_is_bounded_and_resolves_persisted(
         h.persisted.result(0)
     err = capfd.readouterr().err
     assert "did not finish within" in err and "BufferError" not in err
+    assert "close() waits up to 3 s (slot_timeout_s) for the persistent upload in flight" in err, err
     assert not os.path.isdir(os.path.join(root, "p")) or _manifests(root) == []
 
 

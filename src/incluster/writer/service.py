@@ -44,6 +44,9 @@ class _NoCount:
         return self
 
 
+_QUIET_S = 5.0  # close(): how long an upload in flight is waited for before saying so
+
+
 class CommitService:
     def __init__(self, params: WriterParams) -> None:
         self.params = params
@@ -299,7 +302,12 @@ class CommitService:
             except Exception as exc:  # noqa: BLE001 - the store may be gone: nothing to tell
                 log.info("incluster: rank %d: could not mark its last save in the job store: %s",
                          self.params.rank, exc)
-        idle = self.uploader is None or self.uploader.wait_idle(timeout)
+        quiet = min(_QUIET_S, timeout / 2)
+        idle = self.uploader is None or self.uploader.wait_idle(quiet)
+        if not idle:  # a hung object store would otherwise hold close() for minutes without a word
+            print(f"incluster writer: rank {self.params.rank}: close() waits up to {timeout:.0f} s (slot_timeout_s) "
+                  f"for the persistent upload in flight", file=sys.stderr)
+            idle = self.uploader.wait_idle(timeout - quiet)  # type: ignore[union-attr]
         why = self.uploader.cancel() if self.uploader is not None else None  # nothing starts after this
         if not idle:
             # The upload still reads its slot's mapping: leave every mapping to the exit.
