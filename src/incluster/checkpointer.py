@@ -18,7 +18,6 @@ import os
 import re
 import threading
 import time
-import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
@@ -29,6 +28,7 @@ from incluster import config as _config
 from incluster import ramdisk, reserve
 from incluster import wiring
 from incluster.claim import Claim
+from incluster.commit import process_run
 from incluster.errors import CheckpointError, PeerTimeoutError, TierUnavailableError
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
@@ -188,7 +188,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             keep=self.config.keep,
             share_replicas=self.config.share_replicas,
             persist=wiring.persist_params(self.config, self.rank, self.world_size,
-                                          address.run if address is not None else uuid.uuid4().hex),
+                                          address.run if address is not None else process_run()),
             node_folders=node_folders,
         )
         self.replica_targets = targets

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import datetime
 import enum
+import os
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,7 +49,7 @@ class StoreAddress:
     job: str
     world_size: int
     copies_per_rank: int = 1  # 1 + replicas
-    run: str = ""  # drawn by rank 0 for this launch: every rank's persistent manifests carry it
+    run: str = ""  # rank 0's process's run id (process_run): every rank's persistent manifests carry it
 
     @property
     def quorum(self) -> int:
@@ -278,13 +279,33 @@ def host_store(job: str, world_size: int, copies_per_rank: int = 1) -> tuple[obj
 
     The address is ``MASTER_ADDR`` when set, else this host's name.
     """
-    import os
     import socket
 
     from torch.distributed import TCPStore
 
     host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     server = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    import uuid
+    return server, StoreAddress(host, int(server.port), job, world_size, copies_per_rank, process_run())
 
-    return server, StoreAddress(host, int(server.port), job, world_size, copies_per_rank, uuid.uuid4().hex)
+
+_run_id: str | None = None
+
+
+def process_run() -> str:
+    """This process's run id (rank 0's is every rank's: ``StoreAddress.run``). Drawn once
+    per process, so the Checkpointers one after another of a training process (Lightning
+    makes one per ``fit``) are one run, and again in a forked child, which is another."""
+    global _run_id
+    if _run_id is None:
+        import uuid
+
+        _run_id = uuid.uuid4().hex
+    return _run_id
+
+
+def _forget_run() -> None:
+    global _run_id
+    _run_id = None
+
+
+os.register_at_fork(after_in_child=_forget_run)

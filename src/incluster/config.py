@@ -155,7 +155,7 @@ def _path(name: str, value: Any) -> None:
 
 def default_local_dir() -> str:
     """This node's RAM folder when ``local_dir`` is not given."""
-    return os.environ.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR
+    return os.path.expanduser(os.environ.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR)
 
 
 def resolve(

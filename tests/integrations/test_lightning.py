@@ -122,6 +122,6 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
     assert steps["epochs_one"] == [16, None] and steps["epochs_crash"] == [30, 16], steps
     assert res["epochs_crash"][2] == ref[16:30]
     assert steps["epochs_resumed"] == [48, 30] and res["epochs_resumed"][2] == ref[30:], res["epochs_resumed"]
-    refused, why = res["epochs_behind"]  # trained 6 steps, then its save of step 6 was refused
-    assert refused == "refused" and "already holds step 48 on this node, and this fit starts at step 0" in why, why
+    refused, why = res["epochs_behind"]  # refused before training (it used to train 6 steps, then fail to save)
+    assert refused == "refused" and "already holds step 48, and this fit starts at step 0" in why, why
     assert 'Pass trainer.fit(..., ckpt_path="incluster")' in why

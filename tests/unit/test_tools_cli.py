@@ -434,3 +434,5 @@ def test_without_dir_a_missing_ram_folder_and_a_job_not_there_are_named(real: tu
     for cmd, rc in (("ls", 0), ("verify", 1)):
         code, text = inproc(capsys, cmd, root, "--job", "nojob")
         assert code == rc and "job 'nojob' is not there, these are: j" in text, (cmd, text)
+    code, text = inproc(capsys, "verify", root, "--job", "j", "--step", "99")  # the job is there, the step is not
+    assert code == 1 and "no step 99 found" in text and "is not there" not in text, text

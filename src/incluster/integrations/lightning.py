@@ -94,7 +94,7 @@ class _CheckpointHooks:
         # A resumed run's first batches may not step (gradient accumulation): the restored
         # step is saved already and must not be saved again.
         self._last_saved = trainer.global_step
-        _refuse_a_fit_behind_its_job(trainer, self.every_n_steps)
+        _refuse_a_fit_behind_its_job(trainer, self.every_n_steps, self.save_last)
         now = resumable_batch_sizes(trainer.train_dataloader)
         saved, self._saved_batch_size = self._saved_batch_size, None
         if saved is not None and now is not None and saved != now:
@@ -114,18 +114,28 @@ class _CheckpointHooks:
             self._pending_rng = None
 
 
-def _refuse_a_fit_behind_its_job(trainer: Any, every: int) -> None:
-    """A fit started without ``ckpt_path="incluster"`` on a job that holds newer steps on
-    this node trained until its first save, which incluster refuses (steps must increase):
-    say so before training, with the fix."""
+def _refuse_a_fit_behind_its_job(trainer: Any, every: int, save_last: bool) -> None:
+    """A fit started without ``ckpt_path="incluster"`` on a job that holds newer steps
+    trained until its first save, which incluster refuses (steps must increase): say so
+    before training, with the fix. Every rank decides alike (the newest step any node
+    holds): one on a replaced node, its RAM empty, must not train on alone."""
     if str(getattr(trainer, "ckpt_path", None)) == INCLUSTER:
         return
+    import torch
+
     ckpt = trainer.strategy.incluster
-    held = max((sl.step for sl in ckpt.ring.slots if sl.step is not None), default=None)
+    held = max((sl.step for sl in ckpt.ring.slots if sl.step is not None), default=-1)
+    if trainer.world_size > 1:
+        mine = torch.tensor(float(held), device=trainer.strategy.root_device)
+        held = int(trainer.strategy.reduce(mine, reduce_op="max").item())
     first = (trainer.global_step // every + 1) * every
-    if held is not None and first <= held:
+    if 0 <= trainer.max_steps < first:  # the fit ends before its first periodic save
+        if not save_last:
+            return
+        first = trainer.max_steps
+    if held >= 0 and first <= held:
         raise CheckpointError(
-            f"job {ckpt.config.job!r} already holds step {held} on this node, and this fit starts at step "
+            f"job {ckpt.config.job!r} already holds step {held}, and this fit starts at step "
             f"{trainer.global_step} without ckpt_path=\"incluster\": its first save (step {first}) would be refused, "
             f"as checkpoint steps must increase. Pass trainer.fit(..., ckpt_path=\"incluster\") to continue the "
             f"job, or give the strategy another job (checkpointer=dict(job=...)) to start afresh")

@@ -183,9 +183,10 @@ class InclusterStrategyMixin:
         if not any(getattr(cb, "_incluster_saves", False) for cb in getattr(trainer, "callbacks", [])):
             log.warning("incluster: this fit resumes from incluster but has no InclusterCheckpoint callback, so it "
                         "saves nothing there; add callbacks=[InclusterCheckpoint(every_n_steps=N)]")
-        if step is None:
+        if step is None and self.is_global_zero:  # type: ignore[attr-defined]
             log.warning("incluster: job %r has no checkpoint yet; training starts from scratch (Lightning's "
                         "\"Restored all states\" restores nothing)", self.incluster.config.job)
+        if step is None:
             return _NoCheckpoint(trainer)
         return ls.to_checkpoint(
             state, model.state_dict(), [o.state_dict() for o in optimizers] if fitting else []

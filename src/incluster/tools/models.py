@@ -74,7 +74,7 @@ class Inventory:
 
     def elsewhere(self, job: str | None) -> str:
         """Where --job left everything out: the jobs that are there, for the message."""
-        others = sorted(self.jobs - {job}) if job is not None else []
+        others = sorted(self.jobs - {job}) if job is not None and job not in self.jobs else []
         return f"; job {job!r} is not there, these are: {', '.join(others)}" if others else ""
 
     def steps(self) -> dict[tuple[str, int], dict[int, list[Copy]]]:

@@ -304,9 +304,9 @@ class CommitService:
                          self.params.rank, exc)
         quiet = min(_QUIET_S, timeout / 2)
         idle = self.uploader is None or self.uploader.wait_idle(quiet)
-        if not idle:  # a hung object store would otherwise hold close() for minutes without a word
-            print(f"incluster writer: rank {self.params.rank}: close() waits up to {timeout:.0f} s (slot_timeout_s) "
-                  f"for the persistent upload in flight", file=sys.stderr)
+        if not idle and timeout - quiet >= 1:  # a hung object store would hold close() for minutes without a word
+            print(f"incluster writer: rank {self.params.rank}: close() waits up to {timeout - quiet:.0f} s more for "
+                  f"the persistent upload in flight", file=sys.stderr)
             idle = self.uploader.wait_idle(timeout - quiet)  # type: ignore[union-attr]
         why = self.uploader.cancel() if self.uploader is not None else None  # nothing starts after this
         if not idle:
