@@ -219,6 +219,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._guard = StepGuard(self._pre_step_hook)  # every optimizer step in the process
         self._unguarded_warned = False
         self._lock = threading.Lock()
+        # save() and close() one at a time: a close() on another thread never shuts the
+        # staging pool under a save() that already passed its "closed?" check
+        self._api = threading.RLock()
         self._closed = False
         self._warned_warm = False
         self.last_restore: RestoreReport | None = None
@@ -269,6 +272,10 @@ class Checkpointer(SavePipeline, LoadPipeline):
         by forward/backward. Tensors may not be mutated until ``handle.staged`` (the
         optimizer pre-step hook waits for it automatically)."""
         t0 = time.perf_counter()
+        with self._api:
+            return self._save(step, state, t0)
+
+    def _save(self, step: int, state: Mapping[str, Any], t0: float) -> SaveHandle:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -458,6 +465,10 @@ class Checkpointer(SavePipeline, LoadPipeline):
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:
         """Drain every save in flight, stop the background threads, unmap the slots."""
+        with self._api:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         try:
@@ -503,8 +514,15 @@ class Checkpointer(SavePipeline, LoadPipeline):
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the body's own exception goes on: a failed save is logged, never put in its place
+            self.close()
+        except Exception as err:  # noqa: BLE001 - said, and the body's exception is what the caller sees
+            log.error("incluster: rank %d: close() on leaving the with-block (which raised %s) also failed: "
+                      "%s: %s", self.rank, exc_type.__name__, type(err).__name__, err)
 
     def _on_map(self, slot: Slot) -> None:
         """A slot was (re)mapped, on the staging thread: page-lock it if saves are on a GPU."""

@@ -560,3 +560,50 @@ def test_dataloader_workers_ending_do_not_run_the_trainers_exit_drain(local_dir)
     assert "exits without Checkpointer.close()" not in out.stderr, out.stderr[-3000:]
     # a worker that drained would wait for that commit (or the drain's ~5 s bound)
     assert float(out.stdout.split("epoch took ")[1].split()[0]) < 4.0, out.stdout
+
+
+def test_a_save_racing_a_close_on_another_thread_is_refused_as_closed(local_dir):
+    """save() on one thread while close() runs on another raised torch's pool error
+    ("cannot schedule new futures after shutdown") about half the time: a loop catching
+    CheckpointError around save() crashed."""
+    import threading
+
+    for attempt in range(6):
+        ck = incluster.Checkpointer(local_dir=local_dir, job=f"race{attempt}", writer="thread", keep=4)
+        seen: list[BaseException] = []
+        started = threading.Event()
+
+        def saving() -> None:
+            try:
+                for step in range(1000):
+                    ck.save(step, {"w": torch.full((256,), float(step))})
+                    started.set()
+            except BaseException as exc:  # noqa: BLE001 - what the loop would see
+                seen.append(exc)
+            finally:
+                started.set()
+
+        t = threading.Thread(target=saving)
+        t.start()
+        started.wait(30)
+        ck.close()
+        t.join(60)
+        assert len(seen) == 1 and type(seen[0]) is incluster.CheckpointError, seen
+        assert "this Checkpointer is closed" in str(seen[0])
+
+
+def test_leaving_a_with_block_by_an_exception_raises_that_exception_not_a_failed_save(local_dir, caplog):
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.ones_like(p)
+    opt.step()  # complex state: refused as the step is staged, raised by close()
+    with pytest.raises(ValueError, match="the body's own"):
+        with incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread") as ck:
+            ck.save(1, {"opt": opt})
+            time.sleep(0.5)
+            raise ValueError("the body's own")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert said and "close() on leaving the with-block (which raised ValueError) also failed" in said[0], said
+    with pytest.raises(incluster.CheckpointError, match="complex64"):  # without an exception of its own: raised
+        with incluster.Checkpointer(local_dir=local_dir, job="j2", writer="thread") as ck:
+            ck.save(1, {"opt": opt})
