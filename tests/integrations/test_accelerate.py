@@ -279,3 +279,19 @@ def test_a_resume_with_another_batch_size_is_refused_instead_of_skipping_other_s
             next(iter(ac.batches(loader, ac.epoch)))
     finally:
         ac.close()
+
+
+def test_processes_accelerate_does_not_synchronize_are_warned_about(caplog):
+    """Under torchrun on a machine without GPUs, Accelerator() (no cpu=True) runs each
+    process alone: two unsynchronized trainings that incluster saved as one job's ranks."""
+    from types import SimpleNamespace
+
+    from incluster.integrations.accelerate import _warn_unsynchronized
+
+    alone = SimpleNamespace(num_processes=1, distributed_type=SimpleNamespace(name="NO"))
+    with caplog.at_level("WARNING", logger="incluster"):
+        _warn_unsynchronized(alone, SimpleNamespace(world_size=2))
+        _warn_unsynchronized(SimpleNamespace(num_processes=2), SimpleNamespace(world_size=2))  # DDP: nothing to say
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "the launch has 2 processes, but accelerate runs 1" in said[0], said
+    assert "Accelerator(cpu=True)" in said[0]

@@ -168,3 +168,25 @@ def test_dtensor_shards_export_and_reshard(local_dir, tmp_path):
     live = {"w": torch.zeros(7, 6), "b": torch.zeros(6), "extra": {}}
     load_dcp(live, os.path.join(out, "dcp"))
     assert torch.equal(live["w"], torch.arange(42, dtype=torch.float32).reshape(7, 6) / 7)
+
+
+def test_an_optimizer_saved_by_parameter_name_is_named_with_the_way_to_load_it(tmp_path):
+    """torchtitan and get_state_dict() key the optimizer state by parameter name; loading
+    that into an Optimizer failed with DCP's "Missing key ... optim.state.0.step" and no fix."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    m = model()
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    train(m, o, range(2))
+    msd, osd = get_state_dict(m, o)
+    path = str(tmp_path / "by-name")
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    m2, o2 = fresh()
+    with pytest.raises(incluster.CheckpointError, match=r"\['optim'\] key\(s\) optimizer state by parameter name.*"
+                                                        r"get_state_dict\(model, optim\).*set_state_dict"):
+        load_dcp({"model": m2, "optim": o2}, path)
+    m2, o2 = fresh()
+    msd2, osd2 = get_state_dict(m2, o2)  # gives a fresh optimizer its state keys, by name
+    load_dcp({"model": msd2, "optim": osd2}, path)  # what the message says
+    set_state_dict(m2, o2, model_state_dict=msd2, optim_state_dict=osd2)
+    assert train(m2, o2, range(2, 5)) == train(m, o, range(2, 5))

@@ -62,6 +62,18 @@ def check_supported(accelerator: Any) -> None:
         )
 
 
+def _warn_unsynchronized(accelerator: Any, checkpointer: Any) -> None:
+    """A launch of several processes that accelerate runs as one each (``Accelerator()``
+    under torchrun on a machine without GPUs: no DDP unless ``cpu=True``) trains copies
+    that never synchronize, while incluster saves them as the ranks of one job."""
+    procs, world = int(getattr(accelerator, "num_processes", 1)), int(getattr(checkpointer, "world_size", 1))
+    if procs != world:
+        log.warning("incluster: the launch has %d processes, but accelerate runs %d (distributed type %s): each "
+                    "process trains on its own, unsynchronized, and incluster saves them as %d ranks of one job. "
+                    "On a machine without GPUs pass Accelerator(cpu=True) for DDP over gloo", world, procs,
+                    getattr(getattr(accelerator, "distributed_type", None), "name", "?"), world)
+
+
 def state_for(accelerator: Any, **extra: Any) -> dict[str, Any]:
     """The incluster state of everything ``accelerator.save_state()`` writes: the prepared
     models, the optimizers and schedulers inside accelerate's wrappers, the gradient scaler,
@@ -105,6 +117,7 @@ class AcceleratorCheckpoint:
             checkpointer = incluster.Checkpointer()
         self.accelerator = accelerator
         self.checkpointer = checkpointer
+        _warn_unsynchronized(accelerator, checkpointer)
         self.extra = dict(extra or {})
         self.position = DataPosition()
         self._rng = RngState()

@@ -21,6 +21,8 @@ It is collective when a process group is initialized (every rank calls it), as
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Mapping
 
 import torch
@@ -94,6 +96,11 @@ def _top(fqn: str, meta: Any, state: Mapping[str, Any]) -> str:
     return max(names, key=len) if names else fqn.split(".", 1)[0]
 
 
+# an optimizer state dict keyed by parameter name ("optim.state.0.weight.exp_avg": the
+# name holds a dot, or is not a number), not by index ("optim.state.0.exp_avg")
+_BY_NAME = re.compile(r"^[^.]+\.state\.(?:[^.]+\.[^.]+\.|(?!\d+\.)[^.]+\.).+")
+
+
 def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, strict: bool = True) -> int | None:
     """Load the DCP checkpoint at ``path`` into ``state`` in place; return ``step``.
 
@@ -126,9 +133,15 @@ def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, stric
     except (RuntimeError, CheckpointException) as exc:  # name what does not match
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         why = lines[-1] if lines else type(exc).__name__  # DCP wraps the cause in every rank's traceback
+        named = sorted({top for k in keys if _BY_NAME.match(k) and isinstance(state.get(top := k.split(".", 1)[0]),
+                                                                               torch.optim.Optimizer)})
+        hint = (f" {named} key(s) optimizer state by parameter name, as get_state_dict() (and torchtitan) "
+                f"save it: put the dicts of torch.distributed.checkpoint.state_dict.get_state_dict(model, optim) "
+                f"in the state, and after load_dcp() hand them back with set_state_dict()"
+                if named and "Missing key" in why else "")
         raise CheckpointError(
             f"loading the DCP checkpoint {path} into this state failed: {why.rstrip('.')}. Its entries are "
-            f"{sorted(tops)}; load with the same structure it was saved with"
+            f"{sorted(tops)}; load with the same structure it was saved with.{hint}"
         ) from exc
     if part is not state:
         state.update(part)
