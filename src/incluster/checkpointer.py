@@ -199,7 +199,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._saves = 0
         # The highest step save() took or published as failed (a failure is published only
         # above it); steps this rank's RAM folder already holds count.
-        self._highest = max((sl.step for sl in self.ring.slots if sl.step is not None), default=-1)
+        self._highest = self.ring.newest_step()
         self._writer: Writer = (
             ProcessWriter(params, on_persisted=self._persisted, on_death=self._writer_died)
             if self.config.writer == "process"

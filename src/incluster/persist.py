@@ -53,7 +53,7 @@ class PersistParams:
     keep: int = 2
     retries: int = 3
     timeout_s: float = 600.0
-    run: str = ""  # this Checkpointer's id, in its manifests: the steps it wrote itself (Uploader._open_step)
+    run: str = ""  # rank 0's process's run id (commit.process_run), in the manifests: this run's own steps
 
 
 def manifested_steps(tier: Any, job: str) -> list[int]:

@@ -90,7 +90,7 @@ def persistent_tier(config: Config) -> Any:
 
 
 def persist_params(config: Config, rank: int, world_size: int, run: str) -> PersistParams | None:
-    """``run``: the launch's id, the same on every rank (``StoreAddress.run``)."""
+    """``run``: rank 0's process's run id, the same on every rank (``StoreAddress.run``)."""
     c = config
     if not c.persistent:
         return None

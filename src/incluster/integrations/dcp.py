@@ -22,7 +22,6 @@ It is collective when a process group is initialized (every rank calls it), as
 from __future__ import annotations
 
 import re
-
 from typing import Any, Mapping
 
 import torch

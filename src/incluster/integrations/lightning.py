@@ -124,7 +124,7 @@ def _refuse_a_fit_behind_its_job(trainer: Any, every: int, save_last: bool) -> N
     import torch
 
     ckpt = trainer.strategy.incluster
-    held = max((sl.step for sl in ckpt.ring.slots if sl.step is not None), default=-1)
+    held = ckpt.ring.newest_step()
     if trainer.world_size > 1:
         mine = torch.tensor(float(held), device=trainer.strategy.root_device)
         held = int(trainer.strategy.reduce(mine, reduce_op="max").item())

@@ -130,12 +130,12 @@ class InclusterTrainerMixin:
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._ic_refuse_unsupported()
         if not resume_from_checkpoint:
-            held = [sl.step for sl in self.checkpointer.ring.slots if sl.step is not None]
-            if held:
+            held = self.checkpointer.ring.newest_step()
+            if held >= 0:
                 log.warning("incluster: job %r already holds step %d on this node from an earlier run, and train() "
                             "starts without resume_from_checkpoint=True: saves of lower steps will be refused. Pass "
                             "resume_from_checkpoint=True to continue it, or name a new job to start afresh",
-                            self.checkpointer.config.job, max(held))
+                            self.checkpointer.config.job, held)
         if resume_from_checkpoint is True:
             _remove_orphaned_folders()
             self._ic_folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")

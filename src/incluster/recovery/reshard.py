@@ -38,6 +38,7 @@ from incluster.format.reader import MAX_HEADER_BYTES, parse_header
 from incluster.format.sidecar import MAX_SIDECAR_BYTES
 from incluster.recovery.boxes import local_slices
 from incluster.recovery.landing import direct_targets
+from incluster.recovery.meet import ranges
 from incluster.recovery.gather import active_dist as _dist
 from incluster.recovery.node import bad_copy, uncommit
 from incluster.recovery.reshard_pieces import Maps, Piece, layout_digest, receiver_pieces, server_pieces, source_of
@@ -110,7 +111,7 @@ class Reshard:
             log.warning("incluster: step %d was saved by %d ranks and restored into %d: the own values (plain tensors, "
                         "RNG, data-loader position) of old rank(s) %s are not restored, their DTensor shards are; "
                         "values DDP keeps equal on every rank lose nothing", self.step, self.maps.old_world,
-                        self.world, _ranges(dropped))
+                        self.world, ranges(dropped))
         if src.owner != self.me:
             why = "it did not exist in the old world" if self.me >= self.maps.old_world else f"reshard_rank_state={self.rule!r}"
             log.warning("incluster: rank %d took its own values (plain tensors, RNG, data-loader position) from old "
@@ -309,13 +310,3 @@ def _run(dist: Any, ops: list[Any]) -> None:
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
 
-
-def _ranges(ranks: list[int]) -> str:
-    """[1, 2, 3, 7] -> "1-3, 7" (a job of thousands of ranks names them in one line)."""
-    out: list[str] = []
-    for r in ranks:
-        if out and out[-1].split("-")[-1] == str(r - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
-        else:
-            out.append(str(r))
-    return ", ".join(out)

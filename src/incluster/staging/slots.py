@@ -151,8 +151,8 @@ class SlotRing:
         """Take a slot for ``step``: free, new, or holding a superseded step."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            highest = max((s.step for s in self.slots if s.step is not None), default=None)
-            if highest is not None and step <= highest:
+            highest = self.newest_step()
+            if step <= highest:
                 raise CheckpointError(
                     f"step {step} is not newer than step {highest}, already saved or being saved; "
                     f"checkpoint steps must increase (continue from the step load() returned)"
@@ -185,6 +185,10 @@ class SlotRing:
             self.slots.append(s)
             self._cond.notify_all()
             return s
+
+    def newest_step(self) -> int:
+        """The newest step a slot holds (saved, or being saved), -1 when none: save() takes only newer."""
+        return max((s.step for s in self.slots if s.step is not None), default=-1)
 
     def free_slots(self) -> list[Slot]:
         """Slots that hold nothing and are not read by an upload (for ``prepare``-ing ahead:

@@ -9,6 +9,7 @@ each sets ``func(args) -> int`` (0: all good; 1: a fault was found; 2: bad argum
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable
 
 __all__ = ["register"]
@@ -57,8 +58,6 @@ def _here_by_default(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
             from incluster.config import default_local_dir
 
             args.dirs = [default_local_dir()]
-            import os
-
             if not os.path.exists(args.dirs[0]):
                 args.default_missing = args.dirs[0]  # tools.ui.load says so, not "name a RAM folder"
         return run(args)
