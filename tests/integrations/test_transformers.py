@@ -166,6 +166,44 @@ def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(loc
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("incluster-trainer")) == [mine.name]
 
 
+def test_a_run_that_would_save_behind_its_job_is_refused_before_it_trains(local_dir, tmp_path):
+    """train() without resume_from_checkpoint=True on a job that holds step 6 used to
+    train until its first save, then fail there (steps must increase), the training lost.
+    It is now refused before the first step, naming the fix, whether that save is a step
+    count, a ratio of max_steps or an epoch's end; a run whose first save is above the
+    held step, or that never saves, trains."""
+    require("transformers", "transformers")
+    import torch
+    from transformers import TrainingArguments
+
+    from incluster.errors import CheckpointError
+    from incluster.integrations.transformers import InclusterTrainer
+
+    data = [{"x": torch.randn(2), "labels": torch.tensor(1.0)} for _ in range(8)]  # 4 steps an epoch
+
+    def trainer(steps: int, **kw: object) -> InclusterTrainer:
+        kw.setdefault("save_steps", 3)
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, report_to=[], use_cpu=True,
+                                 per_device_train_batch_size=2, **kw)  # type: ignore[arg-type]
+        return InclusterTrainer(model=_tiny(), args=args, train_dataset=data,
+                                checkpointer=dict(local_dir=local_dir, job="held", writer="thread"))
+
+    trainer(6).train()  # saves steps 3 and 6
+    for steps, kw in [(9, {}), (20, {"save_steps": 0.25}), (9, {"save_strategy": "epoch"})]:
+        t = trainer(steps, **kw)
+        before = {k: v.clone() for k, v in t.model.state_dict().items()}
+        with pytest.raises(CheckpointError, match=r"already holds step 6, and train\(\) starts at step 0") as e:
+            t.train()
+        assert "resume_from_checkpoint=True" in str(e.value) and t.state.global_step == 0
+        assert all(torch.equal(v, before[k]) for k, v in t.model.state_dict().items())  # nothing trained
+    unsaved = trainer(2, save_strategy="no")
+    unsaved.train()
+    assert unsaved.state.global_step == 2 and unsaved.incluster_handle is None
+    later = trainer(8, save_steps=7)  # its first save, step 7, is above step 6
+    later.train()
+    assert later.incluster_handle.step == 8
+
+
 def test_a_job_with_no_incluster_step_resumes_from_the_trainers_own_checkpoint(local_dir, tmp_path, caplog):
     """A run moved from the Trainer's own checkpoints onto incluster with
     resume_from_checkpoint=True started from scratch without a word, its progress in

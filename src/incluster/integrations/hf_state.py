@@ -121,3 +121,39 @@ def trainer_checkpoint(output_dir: str | None) -> str | None:
                 f"output_dir {output_dir!r} (rank by rank: {seen}); give every rank the same output_dir "
                 f"(a shared folder), or pass resume_from_checkpoint='<output_dir>/checkpoint-N'")
     return newest
+
+
+def first_trainer_save(args: Any, state: Any, max_steps: int, steps_per_epoch: int) -> int | None:
+    """The global step of the Trainer's first save after ``state.global_step``, as its
+    ``DefaultFlowCallback`` decides it: every ``state.save_steps`` (a ratio made absolute)
+    and at ``max_steps``, or at each epoch's end; with ``save_strategy="best"``, at the
+    first evaluation (the first metric is always the best yet). None: no save (strategy
+    "no", or nothing left to train)."""
+    start = int(state.global_step)
+    if max_steps <= start:
+        return None
+
+    def value(v: Any) -> str:
+        return str(getattr(v, "value", v))
+
+    strategy, every = value(args.save_strategy), int(state.save_steps or 0)
+    if strategy == "best":
+        strategy, every = value(args.eval_strategy), int(state.eval_steps or 0)
+    if strategy == "steps":
+        return min((start // every + 1) * every, max_steps) if every > 0 else max_steps
+    if strategy == "epoch" and steps_per_epoch > 0:
+        return min((start // steps_per_epoch + 1) * steps_per_epoch, max_steps)
+    return None
+
+
+def newest_held(ckpt: Any) -> int:
+    """The newest step any rank's node holds of the checkpointer's job (-1: none): every
+    rank decides alike, and one on a replaced node, its RAM empty, does not train on alone."""
+    held = int(ckpt.ring.newest_step())
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, held)
+        held = max(int(s) for s in seen)
+    return held

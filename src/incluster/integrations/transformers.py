@@ -38,7 +38,7 @@ import tempfile
 from typing import Any
 
 from incluster.errors import CheckpointError
-from incluster.integrations.hf_state import RngState, trainer_checkpoint
+from incluster.integrations.hf_state import RngState, first_trainer_save, newest_held, trainer_checkpoint
 
 __all__ = ["InclusterTrainer", "InclusterTrainerMixin", "with_incluster"]
 
@@ -129,13 +129,6 @@ class InclusterTrainerMixin:
     # -- train --------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._ic_refuse_unsupported()
-        if not resume_from_checkpoint:
-            held = self.checkpointer.ring.newest_step()
-            if held >= 0:
-                log.warning("incluster: job %r already holds step %d on this node from an earlier run, and train() "
-                            "starts without resume_from_checkpoint=True: saves of lower steps will be refused. Pass "
-                            "resume_from_checkpoint=True to continue it, or name a new job to start afresh",
-                            self.checkpointer.config.job, held)
         if resume_from_checkpoint is True:
             _remove_orphaned_folders()
             self._ic_folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")
@@ -281,7 +274,31 @@ class InclusterTrainerMixin:
         )
         if self._ic_ours(resume_from_checkpoint) and self._ic_restored is not None:
             self._ic_check_position(epochs, skip)
+        else:
+            self._ic_refuse_a_run_behind_its_job(max_steps, num_update_steps_per_epoch)
         return epochs, skip
+
+    def _ic_refuse_a_run_behind_its_job(self, max_steps: int, steps_per_epoch: int) -> None:
+        """A run that did not restore an incluster step, on a job that holds one as new as
+        its first save, would train until that save and then be refused (steps must
+        increase): refuse it now, before it trains, naming the fix."""
+        t: Any = self
+        first = first_trainer_save(t.args, t.state, max_steps, steps_per_epoch)
+        held = newest_held(self.checkpointer)  # collective: every rank calls it
+        if first is None or first > held:
+            return
+        job = self.checkpointer.config.job
+        if self._ic_folder is not None:  # resume_from_checkpoint=True restored nothing
+            raise CheckpointError(
+                f"job {job!r} holds step {held} on some node, but no step every rank can restore, so train() "
+                f"would start at step {t.state.global_step} and its first save (step {first}) would be refused, as "
+                f"checkpoint steps must increase. `incluster ls` shows what each node holds; name a new job "
+                f"(checkpointer=dict(job=...)) to start afresh")
+        raise CheckpointError(
+            f"job {job!r} already holds step {held}, and train() starts at step {t.state.global_step} without "
+            f"restoring it: its first save (step {first}) would be refused, as checkpoint steps must increase. "
+            f"Pass train(resume_from_checkpoint=True) to continue the job, or name a new job "
+            f"(checkpointer=dict(job=...)) to start afresh")
 
     def _ic_check_position(self, epochs: int, skip: int) -> None:
         """The Trainer derives the batches to skip from the global step; the save counted
