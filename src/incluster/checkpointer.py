@@ -529,7 +529,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         if self._stager.pin:
             from incluster.staging import cuda
 
-            cuda.register(slot)
+            cuda.register(slot, self._stager.cuda_device)
 
     @staticmethod
     def _on_unmap(slot: Slot) -> None:

@@ -403,7 +403,9 @@ class SavePipeline:
         layout = self._stager.layouts.get(tuple(flat.specs))
         if device:
             self._stager.prepare_for(flat.tensors, layout)
-        elif any(t.is_cuda for t in flat.tensors):
-            self._stager.pin = True
+        else:
+            gpu = [t for t in flat.tensors if t.is_cuda]
+            if gpu:
+                self._stager.pin_for(gpu[0])
         self._warm(layout)
         self._stager.offer_remote()

@@ -76,13 +76,17 @@ class Bounce:
             b.event = None
         return b
 
-    def send(self, b: _Buf, n: int, dest: torch.Tensor) -> None:
+    def send(self, b: _Buf, n: int, dest: torch.Tensor, after: Any = None) -> None:
         """Copy the first ``n`` bytes of ``b`` into ``dest`` (uint8, ``n`` bytes) without
-        waiting; ``b`` goes back to the pool and is handed out again once the copy is done."""
+        waiting; ``b`` goes back to the pool and is handed out again once the copy is done.
+        ``after``: an event on the compute stream the copy must follow (see
+        :func:`compute_mark`)."""
         try:
             if b.stream is None:
                 dest.copy_(b.host[:n])
             else:
+                if after is not None:
+                    b.stream.wait_event(after)
                 with torch.cuda.stream(b.stream):
                     dest.copy_(b.host[:n], non_blocking=True)
                     b.event = torch.cuda.Event()
@@ -102,6 +106,19 @@ class Bounce:
             ev = b.event
             if ev is not None:
                 ev.synchronize()
+
+
+def compute_mark(device: torch.device | None) -> Any:
+    """An event at the end of the work enqueued so far on ``device``'s current stream, or
+    None (no GPU). The buffers' streams wait for it: the restore writes into the live
+    tensors, and work still queued there - the optimizer step that makes a new optimizer's
+    state, a ``model.to(device)`` - would otherwise land after the restored bytes and
+    overwrite them, unseen (the bytes were checked on the host)."""
+    if device is None or device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
 
 
 _pools: dict[tuple[str, int | None, int], Bounce] = {}

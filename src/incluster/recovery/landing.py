@@ -175,11 +175,12 @@ def read_verified(
     chunk = expected.chunk
     starts = [s.offset for s in landing.segs]
     views = [memoryview(d.numpy()) if d.device.type == "cpu" else None for d in landing.dests]  # type: ignore[arg-type]
-    bounce = None
+    bounce, after = None, None
     if landing.device is not None or bounce_cpu:
-        from incluster.recovery.device_landing import bounce_for
+        from incluster.recovery.device_landing import bounce_for, compute_mark
 
         bounce = bounce_for(landing.device or torch.device("cpu"), max(1, workers))
+        after = compute_mark(landing.device)
 
     def one(k: int) -> None:
         lo, hi = k * chunk, min((k + 1) * chunk, expected.size)
@@ -190,7 +191,7 @@ def read_verified(
             pos = max(lo, seg.offset)
             end = min(hi, seg.offset + seg.nbytes)
             if view is None or (bounce_cpu and seg.name is not None):
-                _through(bounce, fd, pos, end, seg, landing.dests[i], v, where)  # type: ignore[arg-type]
+                _through(bounce, fd, pos, end, seg, landing.dests[i], v, where, after)  # type: ignore[arg-type]
                 pos = end
             while pos < end and view is not None:
                 piece = view[pos - seg.offset : min(end, pos + PIECE) - seg.offset]
@@ -214,7 +215,8 @@ def read_verified(
             bounce.finish()  # every copy landed (or, after an error, none still reads a buffer)
 
 
-def _through(bounce: Any, fd: int, pos: int, end: int, seg: Segment, dest: torch.Tensor, v: Any, where: str) -> None:
+def _through(bounce: Any, fd: int, pos: int, end: int, seg: Segment, dest: torch.Tensor, v: Any, where: str,
+             after: Any = None) -> None:
     """File range [pos, end) of ``seg`` into ``dest`` via the bounce buffers: each piece
     read and hashed in a page-locked buffer, then copied over without waiting."""
     while pos < end:
@@ -230,5 +232,5 @@ def _through(bounce: Any, fd: int, pos: int, end: int, seg: Segment, dest: torch
         except BaseException:
             bounce.give_back(b)  # a pool that lost its buffers would hang the next restore
             raise
-        bounce.send(b, n, dest[pos - seg.offset : pos - seg.offset + n])
+        bounce.send(b, n, dest[pos - seg.offset : pos - seg.offset + n], after)
         pos += n

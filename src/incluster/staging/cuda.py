@@ -21,11 +21,15 @@ from incluster.errors import CheckpointError
 from incluster.staging.slots import Slot
 
 
-def register(slot: Slot) -> None:
-    """Page-lock the slot mapping so device->host copies into it run asynchronously."""
+def register(slot: Slot, device: int | None = None) -> None:
+    """Page-lock the slot mapping so device->host copies into it run asynchronously.
+    ``device``: the GPU the saves copy from. A thread's current device is its own (0 on a
+    new thread): registering on the staging thread without it would make a CUDA context
+    on GPU 0 for every rank of a multi-GPU node, and lock the pages in that context."""
     if slot.pinned or slot.buf is None or slot.size == 0:
         return
-    err = torch.cuda.cudart().cudaHostRegister(slot.buf.data_ptr(), slot.size, 0)
+    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        err = torch.cuda.cudart().cudaHostRegister(slot.buf.data_ptr(), slot.size, 0)
     code = int(getattr(err, "value", err))
     if code != 0:
         raise CheckpointError(
@@ -33,12 +37,17 @@ def register(slot: Slot) -> None:
             f"raise the locked-memory limit (ulimit -l) or use a smaller state per rank"
         )
     slot.pinned = True
+    slot.pinned_on = device
 
 
 def unregister(slot: Slot) -> None:
+    """In the context that registered it, whichever thread unmaps the slot."""
     if slot.pinned and slot.buf is not None:
-        torch.cuda.cudart().cudaHostUnregister(slot.buf.data_ptr())
+        dev = slot.pinned_on if slot.pinned_on is not None else torch.cuda.current_device()
+        with torch.cuda.device(dev):
+            torch.cuda.cudart().cudaHostUnregister(slot.buf.data_ptr())
     slot.pinned = False
+    slot.pinned_on = None
 
 
 def record_start() -> dict[int, torch.cuda.Event]:

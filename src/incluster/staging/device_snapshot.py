@@ -54,6 +54,7 @@ class Plan:
     gpu: list[int]  # entry indices of the GPU tensors
     views: list[torch.Tensor]  # typed views into the buffer, one per ``gpu`` entry
     inside: dict[int, torch.Tensor]  # small CPU tensors inside a run: their place in the buffer
+    filled: Any = None  # the buffer's zero-fill, on the stream that allocated it: copies wait for it
 
 
 def make_runs(layout: Layout, kinds: Sequence[str]) -> tuple[int, int, list[tuple[int, int]]]:
@@ -88,6 +89,7 @@ class DeviceSnapshots:
     def __init__(self, setting: int | None) -> None:
         self.setting = setting
         self.buf: torch.Tensor | None = None
+        self.filled: Any = None  # event: the buffer's zero-fill is done
         self.active = False
         self._plans: dict[str, Plan] = {}
         self._said: set[str] = set()
@@ -120,13 +122,13 @@ class DeviceSnapshots:
             if k == "s" and e.nbytes and any(a <= e.offset and e.offset + e.nbytes <= b for a, b in runs):
                 raw = buf[e.offset - lo : e.offset - lo + e.nbytes]  # type: ignore[index]
                 inside[i] = raw.view(NAME_TO_DTYPE[e.spec.dtype]).view(e.spec.shape)
-        plan = self._plans[key] = Plan(dev, lo, runs, gpu, views, inside)
+        plan = self._plans[key] = Plan(dev, lo, runs, gpu, views, inside, self.filled)
         self.active = True
         return plan
 
     def free(self) -> None:
         """Give the buffer's device memory back (the Checkpointer closed)."""
-        self.buf, self._plans, self.active = None, {}, False
+        self.buf, self._plans, self.active, self.filled = None, {}, False, None
 
     def _room(self, dev: int, need: int) -> bool:
         """Make the buffer at least ``need`` bytes on ``dev`` if the budget allows."""
@@ -152,6 +154,10 @@ class DeviceSnapshots:
         try:
             with torch.cuda.device(dev):
                 self.buf = torch.zeros(need, dtype=torch.uint8, device=dev)
+                # The fill runs on this thread's current stream, behind any training work
+                # queued there; the snapshot's stream is not ordered after it by itself.
+                self.filled = torch.cuda.Event()
+                self.filled.record(torch.cuda.current_stream(dev))
         except torch.cuda.OutOfMemoryError:
             self._say(f"oom{need}", f"incluster: could not allocate the {need / GiB:.2f} GiB device-side "
                       f"snapshot on cuda:{dev}; copying device-to-host directly")
@@ -195,6 +201,8 @@ def snap(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any, start: Any) -
     """Enqueue the device-to-device copies on ``stream`` after ``start``; returns the event
     the optimizer step waits for."""
     srcs = [tensors[i] for i in plan.gpu]
+    if plan.filled is not None:
+        stream.wait_event(plan.filled)
     if start is not None:
         stream.wait_event(start)
     else:  # save() did not mark this device: order after all its work so far

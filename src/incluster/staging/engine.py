@@ -88,6 +88,7 @@ class Stager:
         self.gpu_snapshot = gpu_snapshot
         self.layouts = LayoutCache()
         self.pin = False
+        self.cuda_device: int | None = None  # the GPU the saved state is on: slots page-lock there
         self.replica_slots = 0  # slots this rank's writer keeps for its partners' replicas
         self._said_size = False  # the RAM this rank's slots take is said once
         self._cuda: Any = None
@@ -111,7 +112,7 @@ class Stager:
             layout = job.layout = self.layouts.get(tuple(flat.specs))
             kinds = self.kinds(flat.tensors)
             if "g" in kinds:
-                self.pin = True
+                self.pin_for(flat.tensors[kinds.index("g")])
                 if self.remote is not None:  # the writer is done reading the buffer
                     self.remote.wait_free(self.remote_timeout_s)
                 plan = self._devices().plan(layout, flat.tensors, kinds)
@@ -136,7 +137,7 @@ class Stager:
             views = self._views(job.slot, layout)  # maps (and page-locks) a slot not warmed yet
             remote = self.remote is not None and self.remote.offer(self._device.buf)
             if not remote:
-                cuda.register(job.slot)
+                cuda.register(job.slot, self.cuda_device)
             stream = self._copier().stream(plan.device)
             with torch.cuda.device(plan.device), torch.cuda.stream(stream):
                 for i, clone in after:  # before the drain, in stream order
@@ -154,6 +155,12 @@ class Stager:
             job.mark_staged()
             job.digests = compute(job.slot.buf.numpy(), layout.total_size, DEFAULT_CHUNK).digests
         flat.tensors = []  # the bytes are in the slot now; let go of the live tensors
+
+    def pin_for(self, gpu_tensor: torch.Tensor) -> None:
+        """Slots are page-locked from now on, in the context of ``gpu_tensor``'s GPU."""
+        self.pin = True
+        if self.cuda_device is None:
+            self.cuda_device = gpu_tensor.device.index or 0
 
     @staticmethod
     def kinds(tensors: list[torch.Tensor]) -> list[str]:
@@ -179,7 +186,7 @@ class Stager:
         if gpu:
             from incluster.staging import cuda
 
-            cuda.register(job.slot)
+            cuda.register(job.slot, self.cuda_device)
             job.cuda_done = self._copier().enqueue(gpu, job.cuda_start)
         self._copy_small(small)
         for dst, src in cpu:
@@ -207,7 +214,7 @@ class Stager:
         take the device-side snapshot buffer now rather than at the first save."""
         kinds = self.kinds(tensors)
         if "g" in kinds:
-            self.pin = True
+            self.pin_for(tensors[kinds.index("g")])
             plan = self._devices().plan(layout, tensors, kinds)
             if plan is not None:
                 from incluster.staging.device_snapshot import warm
@@ -238,7 +245,7 @@ class Stager:
         if self.pin:
             from incluster.staging import cuda
 
-            cuda.register(slot)
+            cuda.register(slot, self.cuda_device)
 
     def _devices(self) -> Any:
         if self._device is None:

@@ -72,6 +72,7 @@ class Slot:
     raw_views: list[Any] = field(default_factory=list)  # numpy uint8 views, same entries
     maps: int = 0  # how many times this slot was (re)mapped: stays 1 while sizes match
     pinned: bool = False  # mapping registered with CUDA as page-locked memory
+    pinned_on: int | None = None  # the GPU whose context registered it
     uploading: bool = False  # the persistent tier is reading it: never reused meanwhile
 
     def unmap(self) -> None:

@@ -81,7 +81,8 @@ class DeviceDrains:
                 return t
             t = torch.frombuffer(mm, dtype=torch.uint8)
             if t.numel():
-                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+                with torch.cuda.device(self.device):  # the commit thread's current device is 0
+                    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
                 code = int(getattr(err, "value", err))
                 if code != 0:
                     raise CheckpointError(
@@ -99,9 +100,11 @@ class DeviceDrains:
         self.buf, self.buf_id = None, None
         with self._lock:
             pinned, self._pinned = list(self._pinned.values()), {}
-        for t in pinned:
-            if t.numel():
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        if pinned:
+            with torch.cuda.device(self.device):
+                for t in pinned:
+                    if t.numel():
+                        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         torch.cuda.ipc_collect()
 
     def unpin(self, mm: mmap.mmap) -> None:
@@ -109,4 +112,5 @@ class DeviceDrains:
         with self._lock:
             t = self._pinned.pop(id(mm), None)
         if t is not None and t.numel():
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            with torch.cuda.device(self.device):  # called on the commit thread too
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
