@@ -170,6 +170,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._store_server, address, targets, sources, node_folders = wiring.start_store(
             self.config, self.rank, self.world_size)
         self._store_address = address
+        # This run's timelines (recovery/lineage.py): rank 0's clock, shared with the address
+        self._began = address.started if address is not None and address.started else time.time_ns()
+        self._lineage = (self._began, 0, -1)
         self._loads = 0  # load() calls so far: the n-th of every rank meet (recovery/meet.py)
         self._loaded = False  # a load() returned: saves go on from the timeline it chose
         self._restored = -1  # the step the last load() restored (saves must be newer)
@@ -309,7 +312,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
             raise
         self._highest = max(self._highest, step)
         self._last_step = step
-        job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal, prev=prev, timeline=self._loads)
+        job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal, prev=prev, timeline=self._loads,
+                       lineage=self._lineage)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from incluster.staging import cuda
 

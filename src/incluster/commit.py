@@ -29,6 +29,7 @@ import datetime
 import enum
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +51,7 @@ class StoreAddress:
     world_size: int
     copies_per_rank: int = 1  # 1 + replicas
     run: str = ""  # rank 0's process's run id (process_run): every rank's persistent manifests carry it
+    started: int = 0  # rank 0's clock (ns) when the job store started: the run's timelines (recovery/lineage.py)
 
     @property
     def quorum(self) -> int:
@@ -285,7 +287,7 @@ def host_store(job: str, world_size: int, copies_per_rank: int = 1) -> tuple[obj
 
     host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     server = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    return server, StoreAddress(host, int(server.port), job, world_size, copies_per_rank, process_run())
+    return server, StoreAddress(host, int(server.port), job, world_size, copies_per_rank, process_run(), time.time_ns())
 
 
 _run_id: str | None = None

@@ -51,6 +51,8 @@ class LoadPipeline:
     _errors: list[Any]
     _store_address: Any
     _loads: int
+    _began: int
+    _lineage: tuple[int, int, int]
     _last_step: int
     _saves: int
     # the Checkpointer's own (and SavePipeline's) methods this half calls
@@ -97,6 +99,8 @@ class LoadPipeline:
         )
         report = restore(ctx, state)
         self.last_restore = report
+        # The saves from here on are a new timeline, going on from the restored step
+        self._lineage = (self._began, self._loads, -1 if report.step is None else report.step)
         heal = ctx.heal
         log.info("%s", report.line())
         if report.step is None and self.rank == 0 and self._job_derived:

@@ -416,7 +416,8 @@ class Uploader:
             self._completing = True
             infos = sorted((json.loads(i) for i in coord.persist_infos(step)), key=lambda i: i["rank"])
             manifest = {"format": "incluster-manifest", "version": 1, "job": self.p.job, "step": step,
-                        "world_size": self.p.world_size, "ranks": infos, "created": time.time(), "run": self.p.run}
+                        "world_size": self.p.world_size, "ranks": infos, "created": time.time(), "run": self.p.run,
+                        "lineage": sc.get("lineage", [0, 0, -1])}
             self._retry("manifest upload", lambda: self.tier.write(f"{d}/{MANIFEST}", memoryview(json.dumps(manifest).encode())))
             coord.persist_outcome(step, "ok", 0)
             try:
@@ -457,8 +458,8 @@ class Uploader:
             self._newer_told = True
             log.warning("incluster: the persistent tier holds step(s) %s of job %r, newer than this run's step %d: "
                         "from a timeline the run did not continue (its restore went back past them, or could not "
-                        "read them). They are kept, and a restore takes the newest step of every tier, so it may "
-                        "go back to them; delete their folders if it must not", newer, self.p.job, step)
+                        "read them). They are kept until retention reaches them; a restore passes over them once "
+                        "this run's steps are there (each records its timeline)", newer, self.p.job, step)
         if here:
             log.info("incluster: the persistent tier's manifest of step %d (another timeline's) is removed before "
                      "this run's shards of it are written", step)

@@ -117,6 +117,7 @@ class SavePipeline:
                 digests=tuple(job.digests) if job.digests is not None else None,
                 drain=job.drain,
                 loaded=self._loaded,
+                lineage=job.lineage,
             )
         except BaseException as exc:  # noqa: BLE001 - reported through the futures
             self._fail(job, handle, exc, "staging")

@@ -119,7 +119,10 @@ def test_the_content_id_is_read_only_where_the_writer_puts_it(local_dir):
     path = os.path.join(local_dir, "old.json")  # a record from before content ids, with a key named content
     with open(path, "w") as f:
         f.write('{"format":"incluster-sidecar","world_size":4,"node":"n0","tree":{"d":[["content",7]]}}')
-    assert _head(path) == (4, 0)
+    assert _head(path) == (4, 0, (0, 0, -1))
     with open(path, "w") as f:
         f.write('{"format":"incluster-sidecar","world_size":4,"content":-99,"node":"n0"}')
-    assert _head(path) == (4, -99)
+    assert _head(path) == (4, -99, (0, 0, -1))
+    with open(path, "w") as f:  # the lineage, right after the content id
+        f.write('{"format":"incluster-sidecar","world_size":4,"content":-99,"lineage":[17,2,40],"node":"n0"}')
+    assert _head(path) == (4, -99, (17, 2, 40))

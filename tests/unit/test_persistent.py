@@ -395,6 +395,32 @@ def test_a_corrupt_newer_step_a_restore_went_back_past_is_not_counted_by_retenti
         assert ck.load(target) == 10 and torch.equal(target["w"], torch.full((5000,), 10.0))
 
 
+def test_a_persistent_step_of_a_timeline_a_restore_went_back_from_is_passed_over(local_dir, tmp_path, caplog):
+    """Step 12 was out of sight (a listing that missed it) when a restore went back to 8;
+    the run went on with 9 and 10. Back in sight, the old timeline's 12 must not be
+    restored over the newer timeline: the manifests record each step's timeline."""
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(0, 13, 2), persistent_keep=3)
+    assert _manifests(root) == ["step-000000000004", "step-000000000008", "step-000000000012"]
+    hidden = os.path.join(root, "p", "step-000000000012")
+    os.rename(hidden, hidden + ".away")
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1, persistent_keep=3) as ck:
+        assert ck.load(_state(0.0)) == 8
+        for step in (9, 10):
+            assert ck.save(step, _state(100.0 + step)).persisted.result(60) is True
+    os.rename(hidden + ".away", hidden)
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    target = _state(0.0)
+    with caplog.at_level("WARNING", logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+            assert ck.load(target) == 10
+    assert torch.equal(target["w"], torch.full((5000,), 110.0))
+    assert any("persistent step 12 belongs to a timeline a later restore went back from" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
 def test_a_step_not_newer_than_the_restored_one_is_refused(local_dir, tmp_path):
     """Restored from the persistent tier alone: save() of an older step is refused, not
     saved beside the newer steps a restore would prefer."""

@@ -39,6 +39,8 @@ class Sidecar:
     tree: Any
     created: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
+    # (began, loads, base): the timeline that saved it (incluster.recovery.lineage)
+    lineage: tuple[int, int, int] = (0, 0, -1)
 
     def to_json(self) -> dict[str, Any]:
         body = self._body()
@@ -54,6 +56,7 @@ class Sidecar:
             "rank": self.rank,
             "world_size": self.world_size,
             "content": content_id(self.checksum),  # derived: lets a restore find identical shards from the head
+            "lineage": list(self.lineage),  # in the head too: a restore reads only the first bytes
             "node": self.node,
             "shard": self.shard,
             "checksum": self.checksum.to_json(),
@@ -85,6 +88,7 @@ class Sidecar:
                 tree=obj["tree"],
                 created=obj["created"],
                 extra=obj.get("extra", {}),
+                lineage=_lineage(obj.get("lineage", [0, 0, -1]), where),
             )
         except KeyError as exc:
             raise CorruptCheckpointError(f"{where}: sidecar lacks field {exc}") from None
@@ -109,6 +113,13 @@ class Sidecar:
             if not ok:
                 raise CorruptCheckpointError(f"{where}: the sidecar's own digest does not match its contents")
         return sc
+
+
+def _lineage(value: Any, where: str) -> tuple[int, int, int]:
+    ok = isinstance(value, list) and len(value) == 3 and all(type(v) is int for v in value)
+    if not ok or value[0] < 0 or value[1] < 0 or value[2] < -1:
+        raise CorruptCheckpointError(f"{where}: sidecar has an invalid lineage {value!r}")
+    return value[0], value[1], value[2]
 
 
 def record_digest(body: dict[str, Any]) -> str:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 from incluster.errors import CorruptCheckpointError, TierUnavailableError
+from incluster.recovery import lineage
 from incluster.recovery.plan import RankPlan
 
 log = logging.getLogger("incluster")
@@ -26,12 +27,14 @@ LIST_TIMEOUT_S = 15.0  # how long a restore with a complete step in RAM waits fo
 
 def persistent_plan(
     ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int, int]], shared: dict[str, Any] | None = None,
-    node_index: list[int] | None = None, remesh: bool = False,
+    node_index: list[int] | None = None, remesh: bool = False, evidence: Iterable[lineage.Lineage] = (),
 ) -> list[RankPlan] | None:
     """Rank 0: plans to restore from tier 2 when its newest manifested step is newer than
     the newest complete in-cluster step (a tie prefers the cluster's RAM). A step of
     another world size is resharded: old shard o is fetched by rank o mod W, and the
-    resharding plan's shared part goes into ``shared``."""
+    resharding plan's shared part goes into ``shared``. A step of a timeline that a later
+    one went back from (``evidence``: the lineages of the copies in RAM, and the tier's
+    own manifests) is passed over (:mod:`incluster.recovery.lineage`)."""
     if ctx.persistent is None:
         return None
     from incluster.persist import MANIFEST, list_manifested, step_dir
@@ -49,11 +52,9 @@ def persistent_plan(
         log.warning("incluster: %s; step %d is restored from the cluster's RAM without knowing whether the "
                     "persistent tier holds a newer one", exc, in_cluster)
         return None
-    for step in steps:
-        if in_cluster is not None and step <= in_cluster:
-            return None
-        if ("<persistent>", -1, step) in exclude:
-            continue
+    candidates = [s for s in steps if (in_cluster is None or s > in_cluster) and ("<persistent>", -1, s) not in exclude]
+    manifests: dict[int, tuple[dict[int, Any], int, lineage.Lineage]] = {}
+    for step in candidates:
         try:
             manifest = json.loads(ctx.persistent.read(f"{step_dir(ctx.job, step)}/{MANIFEST}"))
             records = {int(r["rank"]): r for r in manifest["ranks"]}
@@ -64,6 +65,17 @@ def persistent_plan(
                 continue
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)
+            exclude.add(("<persistent>", -1, step))
+            continue
+        manifests[step] = (records, world, lineage.parse(manifest.get("lineage")))
+    timelines = lineage.Timelines([*evidence, *(m[2] for m in manifests.values())])
+    for step in candidates:
+        if step not in manifests:
+            continue
+        records, world, lin = manifests[step]
+        if timelines.abandoned(step, lin):
+            log.warning("incluster: persistent step %d belongs to a timeline a later restore went back from; "
+                        "skipped (delete its folder in the tier if it is not wanted)", step)
             exclude.add(("<persistent>", -1, step))
             continue
         if world != ctx.world_size or remesh:
@@ -77,9 +89,9 @@ def persistent_plan(
             mine: dict[int, list[Any]] = {r: [] for r in range(ctx.world_size)}
             for o in range(world):
                 mine[server_of[o]].append(records[o])
-            return [RankPlan(step, None, (), "persistent", {"reshard": mine[r]}, world=world, reshard=True)
-                    for r in range(ctx.world_size)]
-        return [RankPlan(step, None, (), "persistent", records[r]) for r in range(ctx.world_size)]
+            return [RankPlan(step, None, (), "persistent", {"reshard": mine[r]}, world=world, reshard=True,
+                             lineage=lin) for r in range(ctx.world_size)]
+        return [RankPlan(step, None, (), "persistent", records[r], lineage=lin) for r in range(ctx.world_size)]
     return None
 
 

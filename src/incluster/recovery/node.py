@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from incluster.errors import CheckpointError, CorruptCheckpointError
+from incluster.recovery.lineage import NONE, Lineage, parse
 from incluster.recovery.plan import RankPlan
 from incluster.recovery.transfer import Outgoing
 from incluster.staging.slots import SlotRing, sidecar_file, step_file
@@ -20,10 +21,11 @@ BAD_SUFFIX = ".bad"  # a commit record set aside with its bad copy
 _SET_ASIDE = re.compile(r"^step-(\d{12,})\.json\.bad$")
 
 
-def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int, int]]:
-    """(owner rank, step, bytes, world size, content id) for every committed shard in this
-    node's folder: names, sizes and the head of each sidecar (world size -1 and content id 0
-    where it cannot be read: the copy is then tried, and judged, like any other). A sidecar
+def node_inventory(local_dir: str, job: str) -> list[tuple[int, ...]]:
+    """(owner rank, step, bytes, world size, content id, *lineage) for every committed shard
+    in this node's folder: names, sizes and the head of each sidecar (world size -1, content
+    id 0 and no lineage where it cannot be read: the copy is then tried, and judged, like
+    any other; the lineage, see :mod:`incluster.recovery.lineage`). A sidecar
     whose bytes are gone (a shared replica whose peer's file is) is listed with size -1: not
     a copy, but a sidecar a restore can forward to where identical bytes are."""
     base = os.path.join(local_dir, job)
@@ -31,22 +33,22 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, int, int, int, i
         names = os.listdir(base)
     except FileNotFoundError:
         return []
-    out = []
+    out: list[tuple[int, ...]] = []
     for n in names:
         if n.startswith("rank-") and n[5:].isdigit():
             folder = os.path.join(base, n)
             steps = committed_steps(folder)
             for step in _set_aside(folder, steps):  # records of bad copies: sidecars only
-                world, content = _head(os.path.join(folder, sidecar_file(step) + BAD_SUFFIX))
-                out.append((int(n[5:]), step, -1, world, content))
+                world, content, lin = _head(os.path.join(folder, sidecar_file(step) + BAD_SUFFIX))
+                out.append((int(n[5:]), step, -1, world, content, *lin))
             for step in steps:
                 size: int | None
                 try:
                     size = os.stat(os.path.join(folder, step_file(step))).st_size
                 except FileNotFoundError:
                     size = _shared_size(folder, step)  # a shared replica: the peer's file
-                world, content = _head(os.path.join(folder, sidecar_file(step)))
-                out.append((int(n[5:]), step, -1 if size is None else size, world, content))
+                world, content, lin = _head(os.path.join(folder, sidecar_file(step)))
+                out.append((int(n[5:]), step, -1 if size is None else size, world, content, *lin))
     return out
 
 
@@ -69,19 +71,24 @@ def _shared_size(folder: str, step: int) -> int | None:
         return None
 
 
-_HEAD = re.compile(rb'"world_size":\s*(\d{1,9})(?:,\s*"content":\s*(-?\d{1,20}))?\s*[,}]')  # content right after
+_HEAD = re.compile(  # content and lineage right after the world size
+    rb'"world_size":\s*(\d{1,9})(?:,\s*"content":\s*(-?\d{1,20}))?'
+    rb'(?:,\s*"lineage":\s*\[\s*(\d{1,20}),\s*(\d{1,20}),\s*(-?\d{1,20})\s*\])?\s*[,}]')
 
 
-def _head(path: str) -> tuple[int, int]:
-    """The world size and content id a sidecar records, from its first bytes (the writer
-    puts the identity first); -1 and 0 where they are not there."""
+def _head(path: str) -> tuple[int, int, Lineage]:
+    """The world size, content id and lineage a sidecar records, from its first bytes (the
+    writer puts the identity first); -1, 0 and no lineage where they are not there."""
     try:
         with open(path, "rb") as f:
             head = f.read(4096)
     except OSError:
-        return -1, 0
+        return -1, 0, NONE
     m = _HEAD.search(head)
-    return (int(m.group(1)) if m else -1), (int(m.group(2)) if m and m.group(2) else 0)
+    if not m:
+        return -1, 0, NONE
+    lin = parse([int(m.group(3)), int(m.group(4)), int(m.group(5))]) if m.group(3) else NONE
+    return int(m.group(1)), (int(m.group(2)) if m.group(2) else 0), lin
 
 
 def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
@@ -118,6 +125,34 @@ def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
                     os.unlink(os.path.join(folder, sidecar_file(newer)))
                 except FileNotFoundError:
                     pass
+
+
+def drop_other_timelines(local_dir: str, job: str, step: int, chosen: Lineage, ring: SlotRing) -> None:
+    """The restore chose ``step`` of the ``chosen`` timeline: un-commit every copy on this
+    node of the same step number from another timeline (a node that was away when a
+    restore went back past it), so nothing combines or forwards it, and the restored
+    step's heal and replicas do not meet a stale copy of that name."""
+    base = os.path.join(local_dir, job)
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        return
+    mine = os.path.abspath(ring.folder)
+    for n in names:
+        if not (n.startswith("rank-") and n[5:].isdigit()):
+            continue
+        folder = os.path.join(base, n)
+        marker = os.path.join(folder, sidecar_file(step))
+        if not os.path.exists(marker) or _head(marker)[2] == chosen:
+            continue
+        log.info("incluster: %s holds step %d of another timeline; un-committed", folder, step)
+        if os.path.abspath(folder) == mine:
+            ring.discard(step)
+            continue
+        try:
+            os.unlink(marker)
+        except FileNotFoundError:
+            pass
 
 
 def uncommit(local_dir: str, job: str, owner: int, step: int) -> None:

@@ -45,6 +45,7 @@ class RankPlan:
     forwarding: bool = False  # this round only forwards sidecars (every rank takes part)
     forward_send: tuple[tuple[int, int], ...] = ()  # (owner, to rank): send that owner's sidecar
     forward_recv: tuple[tuple[int, int, int, str], ...] = ()  # (owner, from rank, bytes of, from node)
+    lineage: tuple[int, int, int] | None = None  # the timeline of the step's copies (recovery/lineage.py)
 
 
 @dataclass

@@ -9,12 +9,14 @@ as a message instead of a plan.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from incluster.errors import CheckpointError, TierUnavailableError
+from incluster.recovery import lineage
 from incluster.recovery.from_persistent import persistent_plan
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, scatter_from_zero
 from incluster.recovery.plan import Plan, RankPlan, make_plan
@@ -24,6 +26,7 @@ from incluster.topology import Topology
 if TYPE_CHECKING:
     from incluster.recovery.restore import Context
 
+log = logging.getLogger("incluster")
 TIER = "<tier>"  # a plan's failure that is the persistent tier's, raised as TierUnavailableError
 MESH = "<mesh>"  # an exclusion that asks rank 0 for a resharding plan at the same world size
 
@@ -59,10 +62,15 @@ def plan_round(
         held: dict[str, dict[tuple[int, ...], None]] = {}
         # Several ranks may list the same RAM folder (simulated nodes): each copy counted once.
         # Listings of one node name from different folders (pods with their own RAM) add up.
-        for node, inv in list(gathered) + list(extra):
+        for node, inv in gathered:
             if inv is not None:
                 held.setdefault(node, {}).update((tuple(int(x) for x in item), None) for item in inv)
-        holdings = {node: list(items) for node, items in held.items()}
+        # Copies of abandoned timelines, and of older timelines at a step a later one saved
+        # again, are never combined with the rest (recovery/lineage.py).
+        holdings, dropped, lineages = lineage.current({node: list(items) for node, items in held.items()})
+        _say_dropped(ctx, dropped)
+        for node, inv in extra:  # copies healed in earlier rounds: of a step the plan chose
+            holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
         remesh = any(e[0] == MESH for e in exclude)
         failed = None
         try:
@@ -73,7 +81,8 @@ def plan_round(
         if failed is None:
             try:
                 persisted = persistent_plan(
-                    ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of], remesh=remesh)
+                    ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of], remesh=remesh,
+                    evidence={lineage.of_item(i) for items in held.values() for i in items})
             except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
                 failed = (TIER if isinstance(exc, TierUnavailableError) else "") + str(exc)
         if failed is not None:
@@ -104,7 +113,8 @@ def plan_round(
             )
             plans = [msg] * ctx.world_size
         else:
-            plans = list(plan.ranks)
+            chosen = lineages.get(plan.step) if plan.step is not None else None
+            plans = [dataclasses.replace(p, lineage=chosen) for p in plan.ranks]
             if plan.world is not None and (plan.world != ctx.world_size or remesh) and shared is not None:
                 shared["maps"] = list(plan.server_of) + [topo.node_index(n) for n in topo.node_of]
     if dist is None:
@@ -118,6 +128,23 @@ def plan_round(
     except TypeError as exc:
         raise CheckpointError(f"rank 0 sent a restore plan this rank cannot read ({exc}); are all ranks "
                               f"running the same incluster version?") from None
-    return dataclasses.replace(mine, sends=tuple(int(r) for r in mine.sends))
+    return dataclasses.replace(mine, sends=tuple(int(r) for r in mine.sends),
+                               lineage=None if mine.lineage is None else lineage.parse(list(mine.lineage)))
+
+
+_told: set[tuple[str, int, int]] = set()
+
+
+def _say_dropped(ctx: Context, dropped: list[tuple[str, int, int]]) -> None:
+    """Rank 0, once per process and copy: the copies a restore passes over, and why."""
+    new = [d for d in dropped if (ctx.job, d[1], d[2]) not in _told]
+    if not new:
+        return
+    _told.update((ctx.job, d[1], d[2]) for d in new)
+    steps = sorted({d[2] for d in new})
+    nodes = sorted({d[0] for d in new})
+    log.warning("incluster: copies of step(s) %s on node(s) %s belong to a timeline a later restore left (it went "
+                "back past them, or saved the same step again): not used, never mixed with the later timeline's",
+                steps, nodes)
 
 

@@ -39,7 +39,9 @@ from incluster.recovery.forward import forward_sidecars
 from incluster.recovery.from_persistent import download, fetch_old_shards
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, gather_to_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
-from incluster.recovery.node import abandon_newer, bad_copy, node_inventory, open_outgoing, uncommit
+from incluster.recovery.node import (
+    abandon_newer, bad_copy, drop_other_timelines, node_inventory, open_outgoing, uncommit,
+)
 from incluster.recovery.plan import RankPlan
 from incluster.recovery.plan_round import MESH, TIER, maps_of, plan_round
 from incluster.recovery.reshard import Reshard
@@ -162,6 +164,8 @@ class _Run:
                 return
             ctx.ring.reset_to(mine.step)
             abandon_newer(ctx.local_dir, ctx.job, mine.step, ctx.ring)
+            if mine.lineage is not None:
+                drop_other_timelines(ctx.local_dir, ctx.job, mine.step, mine.lineage, ctx.ring)
             if mine.forwarding:  # rebuild lost shards where identical bytes are, then plan again
                 rebuilt, bad = forward_sidecars(ctx, mine)
                 self._collect(bad, rebuilt, every=True)

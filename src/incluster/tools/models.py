@@ -77,6 +77,28 @@ class Inventory:
         others = sorted(self.jobs - {job}) if job is not None and job not in self.jobs else []
         return f"; job {job!r} is not there, these are: {', '.join(others)}" if others else ""
 
+    def set_aside_other_timelines(self) -> None:
+        """Copies a restore would not use (:mod:`incluster.recovery.lineage`): of a timeline
+        a later restore went back from, or an older timeline's at a step a later one saved
+        again. They move to the notes, so no step counts them."""
+        from incluster.recovery.lineage import NONE, Timelines
+
+        def lin(c: Copy) -> tuple[int, int, int]:
+            return c.sidecar.lineage if c.sidecar is not None else NONE
+
+        for job in {c.job for c in self.copies}:
+            mine = [c for c in self.copies if c.job == job]
+            timelines = Timelines(lin(c) for c in mine)
+            latest: dict[int, tuple[int, int, int]] = {}
+            for c in mine:
+                if c.sidecar is not None and not timelines.abandoned(c.step, lin(c)):
+                    latest[c.step] = max(latest.get(c.step, NONE), lin(c))
+            for c in mine:
+                if c.sidecar is not None and lin(c) != latest.get(c.step):
+                    self.copies.remove(c)
+                    self.notes.append(Note(c.where, f"a copy of step {c.step} from a timeline a later restore went "
+                                                    f"back from: a restore does not use it"))
+
     def steps(self) -> dict[tuple[str, int], dict[int, list[Copy]]]:
         """``(job, step) -> rank -> copies``, each rank's copies in tier order."""
         out: dict[tuple[str, int], dict[int, list[Copy]]] = {}

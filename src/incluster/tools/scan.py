@@ -62,6 +62,7 @@ def scan(paths: list[str], persistent: list[str] | None = None, job: str | None 
         inv.folders = {f for f in inv.folders if f[0] == job}
         inv.copies = [c for c in inv.copies if c.job == job]
         inv.problems = [p for p in inv.problems if p[0] == job]
+    inv.set_aside_other_timelines()
     return inv
 
 

@@ -49,6 +49,7 @@ class CommitRequest:
     # load() ran in this Checkpointer before the save: the run chose where its timeline
     # goes on (persist.Uploader._open_step refuses an upload over newer steps without it)
     loaded: bool = False
+    lineage: tuple[int, int, int] = (0, 0, -1)  # the timeline saving it (incluster.recovery.lineage)
 
 
     @property
@@ -82,6 +83,7 @@ def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:
         fingerprint=req.fingerprint,
         tree=req.tree,
         created=time.time(),
+        lineage=req.lineage,
     )
     path = os.path.join(req.folder, sidecar_file(req.step))
     job_folder = os.path.dirname(req.folder)
