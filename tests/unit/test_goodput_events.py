@@ -27,9 +27,10 @@ def test_event_lines_carry_time_kind_rank_pid_and_fields(tmp_path: Path) -> None
     with EventRecorder(tmp_path / "run", rank=3, clock=lambda: next(clock)) as rec:
         rec.record(ev.START, world_size=4)
         rec.record(ev.SAVE, step=7, blocked_s=0.25)
-    assert rec.path == tmp_path / "run" / f"events-rank00003-pid{os.getpid()}.jsonl"
+    proc = ev.process_token()
+    assert len(proc) == 12 and rec.path == tmp_path / "run" / f"events-rank00003-pid{os.getpid()}-{proc}.jsonl"
     assert lines(rec.path) == [
-        {"t": 100.0, "kind": "start", "rank": 3, "pid": os.getpid(), "world_size": 4},
+        {"t": 100.0, "kind": "start", "rank": 3, "pid": os.getpid(), "proc": proc, "world_size": 4},
         {"t": 101.5, "kind": "save", "rank": 3, "pid": os.getpid(), "step": 7, "blocked_s": 0.25},
     ]
 

@@ -92,6 +92,52 @@ def test_two_rank_run_accounting(two_rank_run: Path) -> None:
     assert sum(r.badput_pct.values()) + r.goodput_pct == pytest.approx(100)
 
 
+def test_a_restart_that_got_the_same_pid_is_still_a_restart(two_rank_run: Path) -> None:
+    """A container's process gets the same pid after a restart, and older event files
+    were named by pid alone: both processes' events in one file. They were one attempt,
+    the failure unseen (goodput 99%). A ``start`` after events with no ``end`` (or one of
+    another ``proc``) opens a new attempt."""
+    before = build_report(two_rank_run).per_rank[0]
+    first, second = (two_rank_run / f"events-rank00000-pid{p}.jsonl" for p in (100, 200))
+    kept = first.read_text().rsplit("\n", 1)[0] + "\n"  # without the torn last line
+    first.write_text(kept + second.read_text().replace('"pid": 200', '"pid": 100'))
+    second.unlink()
+    r = build_report(two_rank_run)
+    assert r.attempts == 2 and r.per_rank[0] == pytest.approx(before)
+
+
+def test_checkpointers_one_after_another_in_one_process_are_one_attempt(tmp_path: Path) -> None:
+    """Lightning makes a Checkpointer per fit(): one process, one file, one attempt; a
+    ``start`` of another process token in the same file is another attempt."""
+    write(tmp_path, 0, 7, [(0, "start", {"proc": "a"}), (1, "save", {"step": 1, "blocked_s": 0}), (2, "end", {}),
+                           (3, "start", {"proc": "a"}), (4, "save", {"step": 2, "blocked_s": 0}), (5, "end", {})])
+    assert [len(a) for a in read_run(tmp_path).values()] == [1]
+    write(tmp_path, 0, 7, [(0, "start", {"proc": "a"}), (1, "save", {"step": 1, "blocked_s": 0}), (2, "end", {}),
+                           (3, "start", {"proc": "b"}), (4, "save", {"step": 2, "blocked_s": 0}), (5, "end", {})])
+    assert [len(a) for a in read_run(tmp_path).values()] == [2]
+
+
+def test_a_relaunch_after_a_clean_end_is_not_restart_time(tmp_path: Path) -> None:
+    """A finished job relaunched later to train further: the time in between waited on
+    no failure (it counted as restart: 92% of the window in a trial)."""
+    write(tmp_path, 0, 1, [(0, "start", {}), (1, "load", {"step": None, "seconds": 0}), *steps(0, [2, 3]),
+                           (4, "end", {})])
+    write(tmp_path, 0, 2, [(100, "start", {}), (101, "load", {"step": 1, "seconds": 0}), *steps(2, [102, 103]),
+                           (104, "end", {})])
+    r = build_report(tmp_path)
+    assert r.per_rank[0]["restart"] == pytest.approx(2) and r.per_rank[0]["other"] == pytest.approx(96)
+
+
+def test_a_negative_or_endless_duration_is_refused_and_an_empty_file_left_out(tmp_path: Path) -> None:
+    write(tmp_path, 0, 1, [(0, "start", {}), (1, "save", {"step": 1, "blocked_s": -100}), (2, "end", {})])
+    with pytest.raises(ValueError, match=r"pid1.jsonl:2: damaged event line \(blocked_s -100"):
+        build_report(tmp_path)
+    write(tmp_path, 0, 1, [(0, "start", {}), (1, "save", {"step": 1, "blocked_s": 0.5}), (2, "end", {})])
+    (tmp_path / "events-rank00001-pid9.jsonl").write_text("")  # killed before its first write
+    r = build_report(tmp_path)
+    assert r.ranks == 1 and r.empty_files == [str(tmp_path / "events-rank00001-pid9.jsonl")]
+
+
 def test_checkpoint_statistics(two_rank_run: Path) -> None:
     c = build_report(two_rank_run).checkpoints
     assert (c.saves, c.save_failures, c.loads) == (6, 0, 4)

@@ -6,10 +6,12 @@ them back, across restarts, and turns them into a goodput report. Nothing here t
 torch, and a recorder never raises out of ``record()`` because of a full disk or a closed
 file: losing an event must never stop training.
 
-One file per process: ``<run_dir>/events-rank{rank:05d}-pid{pid}.jsonl``. A process is one
-*attempt* of one rank; a restart is a new process, hence a new file that opens with a
-``start`` event. Every line holds ``t`` (wall time, seconds since the epoch), ``kind``,
-``rank``, ``pid`` and the kind's own fields (see the constants below).
+One file per process: ``<run_dir>/events-rank{rank:05d}-pid{pid}-{proc}.jsonl`` (``proc``
+drawn per process: a restart that gets the same pid still writes a new file). A process
+is one *attempt* of one rank; a restart is a new process, hence a new file that opens with
+a ``start`` event. Every line holds ``t`` (wall time, seconds since the epoch), ``kind``,
+``rank``, ``pid`` and the kind's own fields (see the constants below); ``start`` also
+holds ``proc``.
 
 Cost on the recording thread: one ``json.dumps`` and a deque append (a few microseconds):
 no file I/O and no lock. ``save()`` records an event on the training thread, and a write
@@ -78,9 +80,32 @@ TIERS = ("local", "global", "persistent")  # global: complete on every rank (rep
 _IMMEDIATE = frozenset(KINDS) - {TRAIN_STEP, ALIVE}
 
 
-def event_file_name(rank: int, pid: int) -> str:
-    """The file name one process writes its events to."""
-    return f"events-rank{rank:05d}-pid{pid}.jsonl"
+def event_file_name(rank: int, pid: int, proc: str = "") -> str:
+    """The file name one process writes its events to. ``proc``: the process's token
+    (:func:`process_token`): a restarted process often gets the same pid (a container's
+    first process is pid 1 or 2 every time), and a shared file would hide the restart."""
+    return f"events-rank{rank:05d}-pid{pid}{'-' + proc if proc else ''}.jsonl"
+
+
+_token: str | None = None
+
+
+def process_token() -> str:
+    """Twelve hex digits drawn once per process (again in a forked child)."""
+    global _token
+    if _token is None:
+        import uuid
+
+        _token = uuid.uuid4().hex[:12]
+    return _token
+
+
+def _forget_token() -> None:
+    global _token
+    _token = None
+
+
+os.register_at_fork(after_in_child=_forget_token)
 
 
 class EventRecorder:
@@ -121,7 +146,8 @@ class EventRecorder:
         self._alive_told = 0.0
         self.dropped = 0  # events lost to an I/O error or recorded after close(); never raised
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / event_file_name(rank, self.pid)
+        self.proc = process_token()
+        self.path = self.run_dir / event_file_name(rank, self.pid, self.proc)
         self._file: Any = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._thread = threading.Thread(target=self._run, name="incluster-events", daemon=True)
         self._thread.start()
@@ -136,6 +162,8 @@ class EventRecorder:
             self.dropped += 1
             return
         event = {"t": self._clock(), "kind": kind, "rank": self.rank, "pid": self.pid}
+        if kind == START:
+            event["proc"] = self.proc
         event.update(fields)
         # default=str: an odd field value (a Path, a tensor's item) must not stop training
         self._pending.append(json.dumps(event, separators=(",", ":"), default=str) + "\n")

@@ -127,7 +127,10 @@ def account_rank(attempts: list[Attempt], t0: float, t1: float) -> dict[str, flo
         init = progress_t - a.start_t - _busy(a, a.start_t - 1e-9, progress_t)
         acc["restart"] += max(0.0, init)
         if j > 0:
-            acc["restart"] += max(0.0, a.start_t - attempts[j - 1].last_t)
+            # After a clean end nothing waited on a failure: a later relaunch (to train on)
+            # is not a restart's cost
+            gap = max(0.0, a.start_t - attempts[j - 1].last_t)
+            acc["other" if attempts[j - 1].ended else "restart"] += gap
         later = [s for s in (_restored_step(b) for b in attempts[j + 1 :]) if s is not None]
         if not later:
             continue
@@ -136,7 +139,7 @@ def account_rank(attempts: list[Attempt], t0: float, t1: float) -> dict[str, flo
         t_ref = max(held) if held else progress_t
         lost = a.last_t - t_ref - _busy(a, t_ref, a.last_t)
         acc["lost_progress"] += max(0.0, lost)
-    acc["other"] = max(0.0, attempts[0].start_t - t0) + max(0.0, t1 - attempts[-1].last_t)
+    acc["other"] += max(0.0, attempts[0].start_t - t0) + max(0.0, t1 - attempts[-1].last_t)
     acc["goodput"] = max(0.0, (t1 - t0) - sum(acc[c] for c in CATEGORIES))
     return acc
 
@@ -233,6 +236,8 @@ class GoodputReport:
     checkpoints: CheckpointStats
     """Save, durable and load statistics."""
     truncated_files: int = 0
+    empty_files: list[str] = field(default_factory=list)
+    """Event files left out: no complete event (a process killed before its first write)."""
     """Files whose torn last line was skipped."""
     per_rank: dict[int, dict[str, float]] = field(default_factory=dict)
     """Seconds per category and ``goodput`` for each rank."""
@@ -263,7 +268,8 @@ class GoodputReport:
 
 def build_report(run_dir: str | Path) -> GoodputReport:
     """Read a run folder's events and account its wall time."""
-    runs = read_run(run_dir)
+    skipped: list[Path] = []
+    runs = read_run(run_dir, skipped)
     t0 = min(a.start_t for attempts in runs.values() for a in attempts)
     t1 = max(a.last_t for attempts in runs.values() for a in attempts)
     per_rank = {r: account_rank(attempts, t0, t1) for r, attempts in runs.items()}
@@ -278,6 +284,7 @@ def build_report(run_dir: str | Path) -> GoodputReport:
         badput_s={k: mean[k] for k in CATEGORIES},
         checkpoints=checkpoint_stats(runs),
         truncated_files=sum(a.truncated for attempts in runs.values() for a in attempts),
+        empty_files=[str(p) for p in skipped],
         per_rank=per_rank,
         unfinished={r: risk for r, attempts in runs.items() if (risk := at_risk(attempts[-1])) is not None},
     )
@@ -305,6 +312,8 @@ def render(report: GoodputReport, console: Any = None) -> None:
     head.add_row("goodput", f"{report.goodput_pct:.2f} %  ({report.goodput_s:.1f} s)")
     if report.truncated_files:
         head.add_row("torn last lines skipped", str(report.truncated_files))
+    if report.empty_files:
+        head.add_row("empty event files left out", str(len(report.empty_files)))
     console.print(head)
     bad = Table(title="badput (mean over ranks)")
     for col in ("category", "seconds", "% of wall"):
