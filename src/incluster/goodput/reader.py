@@ -100,8 +100,8 @@ def read_file(path: Path) -> list[Attempt]:
         raise EmptyFile(f"{path} holds no complete event")
     m = _NAME.match(path.name)
     try:
-        rank = int(out[0].get("rank", m.group(1) if m else ""))
-        pid = int(out[0].get("pid", m.group(2) if m else ""))
+        rank = int(out[0]["rank"] if "rank" in out[0] else (m.group(1) if m else ""))
+        pid = int(out[0]["pid"] if "pid" in out[0] else (m.group(2) if m else ""))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: cannot tell rank and pid from the events or name") from exc
     attempts: list[Attempt] = []
