@@ -176,6 +176,23 @@ def test_no_good_copy_after_a_partial_load_says_the_state_was_overwritten(local_
         assert not isinstance(err.value, NoCheckpointError)  # callers that start afresh on it must not
 
 
+def test_every_copy_of_a_rank_bad_is_said_as_such_not_as_lost():
+    """Every copy of rank 0's steps 25 and 30 failed its check, rank 1's are good: the
+    error said step 30 "lacks rank(s) [0]" and offered a persistent tier, as if a node
+    were lost, not that the copies were bad."""
+    from types import SimpleNamespace
+
+    from incluster.recovery.plan_round import plan_round
+
+    ctx = SimpleNamespace(local_dir="/ram", job="t", persistent=None, world_size=2, rank=0)
+    inv = [(o, s, 100, 2, 0) for o in (0, 1) for s in (25, 30)]
+    said = plan_round(ctx, [("n0", inv), ("n1", [])], {("n0", 0, 25), ("n0", 0, 30)})
+    assert isinstance(said, str)
+    assert said.startswith("no step has a good copy of every rank's shard: copies of step(s) [25, 30] failed "
+                           "verification"), said
+    assert "step 30 now lacks rank(s) [0]" in said and "Restore the copies from a backup" in said
+
+
 def test_gather_to_zero_alone():
     assert gather_to_zero({"a": 1}, 0, 1) == [{"a": 1}]
 

@@ -89,6 +89,20 @@ def plan_round(
             plans = [failed] * ctx.world_size
         elif persisted is not None:
             plans = persisted
+        elif plan.step is None and exclude:
+            # Copies existed but none could be used: starting afresh would silently drop them.
+            bad = sorted({step for _, _, step in exclude})
+            lacking = ""
+            if plan.missing:
+                newest = max(plan.missing)
+                lacking = f"; step {newest} now lacks rank(s) {plan.missing[newest]}"
+            msg = (
+                f"no step has a good copy of every rank's shard: copies of step(s) {bad} failed verification or do "
+                f"not fit this job (see the log for each copy and why){lacking}; nothing is loaded. Restore the "
+                f"copies from a backup, or delete {os.path.join(ctx.local_dir, ctx.job)} on every node (and the "
+                f"persistent tier's {ctx.job}/ folder) to start afresh"
+            )
+            plans = [msg] * ctx.world_size
         elif plan.step is None and plan.missing:
             newest = max(plan.missing)
             old = plan.missing_world.get(newest)
@@ -100,16 +114,6 @@ def plan_round(
                 + ("" if ctx.persistent is None else ", and the persistent tier has no complete step")
                 + f". Configure a persistent tier (persistent=...) to survive this, or delete "
                 f"{os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
-            )
-            plans = [msg] * ctx.world_size
-        elif plan.step is None and exclude:
-            # Copies existed but none could be used: starting afresh would silently drop them.
-            bad = sorted({step for _, _, step in exclude})
-            msg = (
-                f"every copy of step(s) {bad} failed verification or does not fit this job (see the "
-                f"log for each copy and why); nothing is loaded. Restore from a backup, or delete "
-                f"{os.path.join(ctx.local_dir, ctx.job)} on every node (and the persistent tier's "
-                f"{ctx.job}/ folder) to start afresh"
             )
             plans = [msg] * ctx.world_size
         else:
