@@ -327,14 +327,16 @@ def _loaded_in_place(module: torch.nn.Module, live_sd: Mapping[str, Any], new_sd
     return True
 
 
-def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> None:
-    """Give optimizers that have not stepped yet their state tensors, so load is in place.
+def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> list[torch.optim.Optimizer]:
+    """Give optimizers that have not stepped yet their state tensors, so load is in place;
+    returns them (a refused load empties their state again: see :func:`_dry_walk`).
 
     Runs one step with zero gradients and a learning rate of 0 (parameters unchanged),
     only for optimizers whose live state is empty while the checkpoint has state.
     """
+    made: list[torch.optim.Optimizer] = []
     if not isinstance(tree, dict) or "d" not in tree:
-        return
+        return made
     for key, node in tree["d"]:
         obj = state.get(key) if isinstance(state, Mapping) else None
         if not (isinstance(obj, torch.optim.Optimizer) and isinstance(node, dict) and node.get("S") == "optimizer"):
@@ -343,6 +345,8 @@ def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> None:
         if obj.state or not saved.get("state", {}).get("d"):
             continue
         init_optimizer_state(obj)
+        made.append(obj)
+    return made
 
 
 def init_optimizer_state(obj: torch.optim.Optimizer) -> None:
@@ -391,12 +395,24 @@ def live_targets(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = Fa
     ``load_into`` as ``placed``; names it cannot place this way are fetched as usual."""
     _check_tree(state, tree)
     loader = _Loader(lambda name: torch.empty(0), allow_pickle, collect={})
-    with torch.no_grad():
-        init_lazy_optimizers(state, tree)
-        for key, node in tree["d"]:
-            if key in state:
-                loader.top(node, state[key], escape_part(key))
+    _dry_walk(state, tree, loader)
     return loader.collect or {}
+
+
+def _dry_walk(state: Mapping[str, Any], tree: Any, loader: "_Loader") -> None:
+    """Walk ``tree`` over the live state without copying. A mismatch refuses the load
+    before any byte lands: the optimizers given state for it are left as they were, with
+    none (one a caller then trains afresh must not start at step 1 with zero moments)."""
+    with torch.no_grad():
+        made = init_lazy_optimizers(state, tree)
+        try:
+            for key, node in tree["d"]:
+                if key in state:
+                    loader.top(node, state[key], escape_part(key))
+        except BaseException:
+            for obj in made:
+                obj.state.clear()
+            raise
 
 
 def live_dtensors(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = False) -> dict[str, tuple[Any, str]]:
@@ -406,11 +422,7 @@ def live_dtensors(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = F
     _check_tree(state, tree)
     loader = _Loader(lambda name: torch.empty(0), allow_pickle, collect={})
     loader.dtensors = {}
-    with torch.no_grad():
-        init_lazy_optimizers(state, tree)
-        for key, node in tree["d"]:
-            if key in state:
-                loader.top(node, state[key], escape_part(key))
+    _dry_walk(state, tree, loader)
     return loader.dtensors
 
 

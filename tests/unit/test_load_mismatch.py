@@ -49,6 +49,22 @@ def test_a_shape_mismatch_is_refused_before_any_tensor_is_overwritten(local_dir)
     assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
 
 
+def test_a_refused_load_leaves_a_fresh_optimizer_without_state(local_dir):
+    """The usual restart builds the model and optimizer, then loads. Into a model of
+    another size the load is refused, but the fresh optimizer was left at step 1 with
+    zero moments: a caller that then trains afresh had other bias corrections."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    _save(local_dir, {"model": model, "optim": optim})
+    live = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 4))
+    fresh = torch.optim.AdamW(live.parameters())
+    with pytest.raises(CheckpointError, match="the checkpoint holds shape"):
+        _load(local_dir, {"model": live, "optim": fresh})
+    assert fresh.state_dict()["state"] == {}
+
+
 @pytest.mark.parametrize("saved, live, says", [
     (lambda: torch.nn.Linear(4, 8).state_dict(), lambda: torch.nn.Linear(4, 4), r"x/weight: the checkpoint holds shape \(8, 4\)"),
     (lambda: torch.nn.Linear(4, 4).state_dict(), lambda: torch.nn.Linear(4, 4).bfloat16(), "float32 values but the live tensor is torch.bfloat16"),

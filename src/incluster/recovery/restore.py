@@ -109,11 +109,18 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
     t0 = time.perf_counter()
     report = RestoreReport(ctx.rank, ctx.node, None)
     run = _Run(ctx, state, report)
+    # Optimizers that have not stepped get state for the load (state_load.init_lazy_optimizers):
+    # a load refused before any byte landed leaves them without it again, as they were
+    fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state] if isinstance(
+        state, Mapping) else []
     try:
         run.go()
     except CheckpointError as exc:
         if run.received is not None:
             run.received.abandon()
+        if not run.dirty and run.loaded is None:
+            for o in fresh:
+                o.state.clear()
         if run.dirty:  # never let a caller mistake a partly overwritten state for an untouched one
             raise CheckpointError(
                 f"{exc}. The live state was already partly overwritten by this restore (bytes of a copy "
