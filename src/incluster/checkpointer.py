@@ -203,6 +203,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         # The highest step save() took or published as failed (a failure is published only
         # above it); steps this rank's RAM folder already holds count.
         self._highest = self.ring.newest_step()
+        self._held_at_start = self._highest  # an earlier run's newest step on this node (-1: none)
         self._writer: Writer = (
             ProcessWriter(params, on_persisted=self._persisted, on_death=self._writer_died)
             if self.config.writer == "process"
@@ -297,6 +298,11 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 raise CheckpointError(
                     f"step {step} is not newer than step {self._restored}, which load() restored; checkpoint "
                     f"steps must increase (continue from the step load() returned)")
+            if not self._loaded and step <= self._held_at_start:
+                raise CheckpointError(
+                    f"job {self.config.job!r} already holds step {self._held_at_start} on this node from an earlier "
+                    f"run, and this run did not call load(): checkpoint steps must increase. Call "
+                    f"ckpt.load(state) first to continue the job, or name a new job (job=...) to start afresh")
             snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers)
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)

@@ -607,3 +607,16 @@ def test_leaving_a_with_block_by_an_exception_raises_that_exception_not_a_failed
     with pytest.raises(incluster.CheckpointError, match="complex64"):  # without an exception of its own: raised
         with incluster.Checkpointer(local_dir=local_dir, job="j2", writer="thread") as ck:
             ck.save(1, {"opt": opt})
+
+
+def test_a_run_that_did_not_load_is_told_to_when_its_job_holds_newer_steps(local_dir):
+    """Every save() of a new run on a job holding step 5 was refused with "already saved
+    or being saved ... (continue from the step load() returned)", though load() was never
+    called: the error names load() and a new job."""
+    with incluster.Checkpointer(local_dir=local_dir, job="held", writer="thread") as ck:
+        ck.save(5, {"w": torch.ones(8)}).wait()
+    with incluster.Checkpointer(local_dir=local_dir, job="held", writer="thread") as ck:
+        with pytest.raises(incluster.CheckpointError, match=r"already holds step 5 on this node from an earlier run, "
+                                                            r"and this run did not call load\(\)"):
+            ck.save(3, {"w": torch.ones(8)})
+        ck.save(6, {"w": torch.ones(8)}).wait()  # a newer step goes on
