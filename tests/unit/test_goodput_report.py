@@ -138,6 +138,24 @@ def test_a_negative_or_endless_duration_is_refused_and_an_empty_file_left_out(tm
     assert r.ranks == 1 and r.empty_files == [str(tmp_path / "events-rank00001-pid9.jsonl")]
 
 
+def test_after_a_restart_into_fewer_ranks_the_gone_ranks_work_is_still_lost_progress(tmp_path: Path) -> None:
+    """Two ranks, a node lost, the job goes on with one rank that restores step 4. Rank 1
+    has no later attempt of its own number: its redone work went uncounted and it was
+    reported as still at risk, though the restart had settled it."""
+    for rank in (0, 1):
+        write(tmp_path, rank, 10 + rank, [
+            (0, "start", {"world_size": 2}), (1, "load", {"step": None, "seconds": 0}),
+            *steps(0, [2, 3, 4, 5, 6]),
+            (6, "save", {"step": 4, "blocked_s": 0}), (6.5, "durable", {"step": 4, "tier": "global"}),
+            *steps(5, [7, 8, 9]), (10, "alive", {}),
+        ])
+    write(tmp_path, 0, 20, [(20, "start", {"world_size": 1}), (21, "load", {"step": 4, "seconds": 1}),
+                            *steps(5, [22, 23]), (24, "end", {})])
+    r = build_report(tmp_path)
+    assert r.per_rank[1]["lost_progress"] == pytest.approx(r.per_rank[0]["lost_progress"]) == pytest.approx(4)
+    assert r.unfinished == {}
+
+
 def test_checkpoint_statistics(two_rank_run: Path) -> None:
     c = build_report(two_rank_run).checkpoints
     assert (c.saves, c.save_failures, c.loads) == (6, 0, 4)

@@ -105,8 +105,12 @@ def render(con: Any, phases: list[dict[str, Any]], whatif: dict[str, Any], run_d
     _goodput(con, run_dir, args)
     gone = sorted(range(phases[-1].get("world", 0), max(p.get("world", 0) for p in phases)))
     if gone:
-        con.print(f"  (rank(s) {', '.join(map(str, gone))} ended with their node: in the goodput above, their share "
-                  f"of the time after that counts as 'other')")
+        lost = [(p.get("victim"), [r for r, n in enumerate(p.get("layout") or []) if n == p.get("victim")])
+                for p in phases[:-1] if p.get("victim")]
+        said = "; ".join(f"node {v} (rank(s) {', '.join(map(str, rs))}) was lost" for v, rs in lost)
+        con.print(f"  ({said}; the job went on with {phases[-1].get('world')} ranks, numbered anew: in the goodput "
+                  f"above, rank number(s) {', '.join(map(str, gone))} have no attempt after the restart, and their "
+                  f"share of the time from then on counts as 'other')")
 
 
 def _went_on(con: Any, before: dict[str, Any], after: dict[str, Any], world: int) -> None:

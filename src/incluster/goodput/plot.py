@@ -91,10 +91,13 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> int:
     (width: time blocked), durable events green dots, loads orange bars, restarts purple
     triangles, failed saves red crosses, an attempt that ended without ``end`` and was
     followed by another (a failure) a black cross at its last event, and a rank's last
-    attempt without ``end`` (killed, or still running when read) a hollow black circle.
+    attempt without ``end`` (killed, or still running when read) a hollow black circle. An
+    attempt followed by any rank's later one is a failure: after a restart into fewer
+    ranks the old rank numbers have no later attempt of their own.
     """
     runs = read_run(run_dir)
     t0 = min(a.start_t for attempts in runs.values() for a in attempts)
+    starts = sorted(a.start_t for attempts in runs.values() for a in attempts)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(runs)), dpi=120)
     drawn = 0
@@ -131,7 +134,8 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> int:
                 else:
                     continue
                 drawn += 1
-            if not a.ended and a is not attempts[-1]:
+            followed = a is not attempts[-1] or any(t > a.last_t for t in starts)  # by any rank's restart
+            if not a.ended and followed:
                 ax.plot(a.last_t - t0, y, "kx", markersize=9, label=label("failure"))
                 drawn += 1
             elif not a.ended:

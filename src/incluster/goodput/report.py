@@ -114,8 +114,26 @@ def at_risk(a: Attempt) -> float | None:
     return max(0.0, a.last_t - t_ref - _busy(a, t_ref, a.last_t))
 
 
-def account_rank(attempts: list[Attempt], t0: float, t1: float) -> dict[str, float]:
-    """Seconds per category (and ``goodput``) for one rank within the window [t0, t1]."""
+def restores(runs: dict[int, list[Attempt]]) -> list[tuple[float, float]]:
+    """(start time, restored step) of every attempt of every rank that says what it resumed
+    from: after a restart into fewer ranks (or ranks renumbered) a rank's work is settled
+    by the restore of whichever attempts came next, not by a later attempt of its number."""
+    return [(b.start_t, s) for attempts in runs.values() for b in attempts if (s := _restored_step(b)) is not None]
+
+
+def _later(a: Attempt, attempts: list[Attempt], j: int, restored: list[tuple[float, float]] | None) -> list[float]:
+    """The steps later attempts resumed from: any rank's attempt begun after ``a`` ended
+    (with ``restored``), else this rank's own later attempts."""
+    if restored is None:
+        return [s for s in (_restored_step(b) for b in attempts[j + 1 :]) if s is not None]
+    return [s for t, s in restored if t > a.last_t]
+
+
+def account_rank(
+    attempts: list[Attempt], t0: float, t1: float, restored: list[tuple[float, float]] | None = None,
+) -> dict[str, float]:
+    """Seconds per category (and ``goodput``) for one rank within the window [t0, t1];
+    ``restored``: :func:`restores` of the whole run."""
     acc = dict.fromkeys(CATEGORIES, 0.0)
     for a in attempts:
         acc["checkpoint_save"] += sum(_num(e, "blocked_s") for e in a.of(ev.SAVE))
@@ -131,7 +149,7 @@ def account_rank(attempts: list[Attempt], t0: float, t1: float) -> dict[str, flo
             # is not a restart's cost
             gap = max(0.0, a.start_t - attempts[j - 1].last_t)
             acc["other" if attempts[j - 1].ended else "restart"] += gap
-        later = [s for s in (_restored_step(b) for b in attempts[j + 1 :]) if s is not None]
+        later = _later(a, attempts, j, restored)
         if not later:
             continue
         redo_from = min(later)
@@ -272,7 +290,8 @@ def build_report(run_dir: str | Path) -> GoodputReport:
     runs = read_run(run_dir, skipped)
     t0 = min(a.start_t for attempts in runs.values() for a in attempts)
     t1 = max(a.last_t for attempts in runs.values() for a in attempts)
-    per_rank = {r: account_rank(attempts, t0, t1) for r, attempts in runs.items()}
+    restored = restores(runs)
+    per_rank = {r: account_rank(attempts, t0, t1, restored) for r, attempts in runs.items()}
     n = len(per_rank)
     mean = {k: sum(p[k] for p in per_rank.values()) / n for k in (*CATEGORIES, "goodput")}
     return GoodputReport(
@@ -286,7 +305,9 @@ def build_report(run_dir: str | Path) -> GoodputReport:
         truncated_files=sum(a.truncated for attempts in runs.values() for a in attempts),
         empty_files=[str(p) for p in skipped],
         per_rank=per_rank,
-        unfinished={r: risk for r, attempts in runs.items() if (risk := at_risk(attempts[-1])) is not None},
+        unfinished={r: risk for r, attempts in runs.items()
+                    if not _later(attempts[-1], attempts, len(attempts) - 1, restored)
+                    and (risk := at_risk(attempts[-1])) is not None},
     )
 
 
