@@ -93,8 +93,9 @@ def test_costs_from_json_and_overrides(tmp_path: Path) -> None:
     f.write_text("[1, 2]")
     with pytest.raises(ValueError, match="JSON object"):
         Costs.from_json(f)
-    with pytest.raises(ValueError, match="numbers"):
-        Costs().updated({"restart_s": "soon"})
+    for v in ("soon", "60", True):  # a quoted number or a boolean in a costs file is a mistake, not a number
+        with pytest.raises(ValueError, match=f"cost restart_s must be a number, not {v!r}"):
+            Costs().updated({"restart_s": v})
     with pytest.raises(ValueError, match="serve_local"):
         Costs(serve_local=0.5, serve_replica=0.6)
     with pytest.raises(ValueError, match="unknown configuration"):

@@ -81,10 +81,10 @@ class Costs:
         unknown = sorted(set(values) - set(self.keys()))
         if unknown:
             raise ValueError(f"unknown cost(s) {unknown}; known: {', '.join(self.keys())}")
-        try:
-            return replace(self, **{k: float(v) for k, v in values.items()})
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"costs must be numbers: {exc}") from exc
+        for k, v in values.items():  # "60" or true from a JSON file is a mistake, not a number
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"cost {k} must be a number, not {v!r}")
+        return replace(self, **{k: float(v) for k, v in values.items()})
 
     @classmethod
     def from_json(cls, path: str | Path) -> Costs:
