@@ -62,6 +62,9 @@ def test_report_timeline_and_errors(tmp_path: Path) -> None:
     p = run("timeline", str(run_dir), "-o", str(tmp_path / "t.png"))
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    for given, written in ((tmp_path / "noext", tmp_path / "noext.png"), (tmp_path, tmp_path / "timeline.png")):
+        p = run("timeline", str(run_dir), "-o", str(given))  # says the file it really wrote
+        assert p.returncode == 0 and f"wrote {written} " in p.stdout and written.is_file(), (p.stdout, p.stderr)
     p = run("report", str(tmp_path / "missing"))
     assert p.returncode == 2 and "is not a folder" in p.stderr and "run_dir" in p.stderr
     (tmp_path / "empty").mkdir()

@@ -229,6 +229,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     """Draw the goodput figure and print its numbers."""
     from incluster.goodput.plot import plot_figure
 
+    args.output = _png(args.output, "goodput.png")
     curves = plot_figure(args.output, _costs(args), state_gib=args.state_gib,
                          log_scale=not args.linear)
     if args.json:
@@ -251,9 +252,20 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     """Draw a recorded run's events per rank over time."""
     from incluster.goodput.plot import plot_timeline
 
-    n = plot_timeline(args.run_dir, args.output)
-    print(f"wrote {args.output} ({n} events)")
+    out = _png(args.output, "timeline.png")
+    n = plot_timeline(args.run_dir, out)
+    print(f"wrote {out} ({n} events)")
     return 0
+
+
+def _png(output: str, name: str) -> str:
+    """Where ``-o`` writes: a folder gets ``name`` in it, a path without a suffix ``.png``
+    (what matplotlib would add without saying so)."""
+    import os
+
+    if os.path.isdir(output):
+        return os.path.join(output, name)
+    return output if os.path.splitext(output)[1] else output + ".png"
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
