@@ -97,9 +97,11 @@ class LoadPipeline:
             persistent=wiring.persistent_tier(self.config),
             rank_state=self.config.reshard_rank_state,
         )
+        # The saves from here on are a new timeline, going on from the restored step (from
+        # nothing, should the restore fail and the caller save anyway)
+        self._lineage = (self._began, self._loads, -1)
         report = restore(ctx, state)
         self.last_restore = report
-        # The saves from here on are a new timeline, going on from the restored step
         self._lineage = (self._began, self._loads, -1 if report.step is None else report.step)
         heal = ctx.heal
         log.info("%s", report.line())

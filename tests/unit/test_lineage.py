@@ -68,3 +68,23 @@ def test_the_sidecar_records_its_lineage_and_refuses_a_malformed_one(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="invalid lineage"):
         Sidecar.from_json(raw, "x")
     assert parse([1, 2]) == NONE and parse("x") == NONE and parse([5, 1, 3]) == (5, 1, 3)
+
+
+def test_a_ring_whose_marker_a_neighbour_removed_forgets_the_step_too(local_dir):
+    """Two ranks on a node: each un-commits the other's copy of the restored step number
+    from another timeline. When the neighbour unlinked my marker first, my ring still
+    thought it held the step and refused the heal ("step 20 is not newer than step 20")."""
+    import os
+
+    import torch
+
+    import incluster
+    from incluster.recovery.node import drop_other_timelines
+    from incluster.staging.slots import sidecar_file
+
+    with incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread") as ck:
+        ck.save(20, {"w": torch.ones(8)}).wait()
+        os.unlink(os.path.join(ck.ring.folder, sidecar_file(20)))  # the neighbour got there first
+        drop_other_timelines(local_dir, "j", 20, NEW, ck.ring)
+        assert 20 not in ck.ring.committed_steps()
+        ck.save(21, {"w": torch.ones(8)}).wait()

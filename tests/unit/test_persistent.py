@@ -421,6 +421,37 @@ def test_a_persistent_step_of_a_timeline_a_restore_went_back_from_is_passed_over
                for r in caplog.records), caplog.text
 
 
+def test_a_node_back_with_an_abandoned_step_loses_to_the_later_timeline_in_the_tier(local_dir, tmp_path):
+    """The later timeline (back to 8, then 10 and 12 again) survives only in the tier; a
+    node comes back with the first timeline's 12 in its RAM. The RAM's copy of 12 won: the
+    tier's manifests are evidence of the timelines too."""
+    root = str(tmp_path / "persist")
+
+    def ck() -> incluster.Checkpointer:
+        return incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                      persistent_every=1, persistent_keep=3)
+
+    with ck() as c:
+        for step in (4, 8, 12):
+            assert c.save(step, _state(float(step))).persisted.result(60) is True
+    away = str(tmp_path / "away")
+    shutil.copytree(os.path.join(local_dir, "p"), away)  # the node that goes away, its RAM kept
+    hidden = os.path.join(root, "p", "step-000000000012")
+    os.rename(hidden, hidden + ".away")
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    with ck() as c:
+        assert c.load(_state(0.0)) == 8
+        for step in (10, 12):
+            assert c.save(step, _state(1000.0 + step)).persisted.result(60) is True
+    shutil.rmtree(hidden + ".away")
+    shutil.rmtree(os.path.join(local_dir, "p"))  # the later timeline's RAM is lost; the old node is back
+    shutil.copytree(away, os.path.join(local_dir, "p"))
+    target = _state(0.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as c:
+        assert c.load(target) == 12
+    assert torch.equal(target["w"], torch.full((5000,), 1012.0))
+
+
 def test_a_step_not_newer_than_the_restored_one_is_refused(local_dir, tmp_path):
     """Restored from the persistent tier alone: save() of an older step is refused, not
     saved beside the newer steps a restore would prefer."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterable
+from typing import Any
 
 from incluster.errors import CorruptCheckpointError, TierUnavailableError
 from incluster.recovery import lineage
@@ -25,18 +25,16 @@ log = logging.getLogger("incluster")
 LIST_TIMEOUT_S = 15.0  # how long a restore with a complete step in RAM waits for tier 2's listing
 
 
-def persistent_plan(
-    ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int, int]], shared: dict[str, Any] | None = None,
-    node_index: list[int] | None = None, remesh: bool = False, evidence: Iterable[lineage.Lineage] = (),
-) -> list[RankPlan] | None:
-    """Rank 0: plans to restore from tier 2 when its newest manifested step is newer than
-    the newest complete in-cluster step (a tie prefers the cluster's RAM). A step of
-    another world size is resharded: old shard o is fetched by rank o mod W, and the
-    resharding plan's shared part goes into ``shared``. A step of a timeline that a later
-    one went back from (``evidence``: the lineages of the copies in RAM, and the tier's
-    own manifests) is passed over (:mod:`incluster.recovery.lineage`)."""
+Manifests = dict[int, tuple[dict[int, Any], int, lineage.Lineage]]  # step -> (records by rank, world, lineage)
+
+
+def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int, int]]) -> Manifests:
+    """Rank 0: every manifested step of tier 2 (not set aside), with its records, world
+    size and lineage (the restore's evidence of the timelines, newer steps or not). A
+    tier that cannot be listed is passed over while the cluster's RAM has a complete step
+    (``in_cluster``), and is a TierUnavailableError otherwise."""
     if ctx.persistent is None:
-        return None
+        return {}
     from incluster.persist import MANIFEST, list_manifested, step_dir
 
     try:
@@ -51,10 +49,11 @@ def persistent_plan(
             ) from None
         log.warning("incluster: %s; step %d is restored from the cluster's RAM without knowing whether the "
                     "persistent tier holds a newer one", exc, in_cluster)
-        return None
-    candidates = [s for s in steps if (in_cluster is None or s > in_cluster) and ("<persistent>", -1, s) not in exclude]
-    manifests: dict[int, tuple[dict[int, Any], int, lineage.Lineage]] = {}
-    for step in candidates:
+        return {}
+    out: Manifests = {}
+    for step in steps:
+        if ("<persistent>", -1, step) in exclude:
+            continue
         try:
             manifest = json.loads(ctx.persistent.read(f"{step_dir(ctx.job, step)}/{MANIFEST}"))
             records = {int(r["rank"]): r for r in manifest["ranks"]}
@@ -67,15 +66,32 @@ def persistent_plan(
             log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)
             exclude.add(("<persistent>", -1, step))
             continue
-        manifests[step] = (records, world, lineage.parse(manifest.get("lineage")))
-    timelines = lineage.Timelines([*evidence, *(m[2] for m in manifests.values())])
-    for step in candidates:
-        if step not in manifests:
+        out[step] = (records, world, lineage.parse(manifest.get("lineage")))
+    return out
+
+
+def persistent_plan(
+    ctx: Any, in_cluster: int | None, manifests: Manifests, exclude: set[tuple[str, int, int]],
+    shared: dict[str, Any] | None = None, node_index: list[int] | None = None, remesh: bool = False,
+    latest: dict[int, lineage.Lineage] | None = None,
+) -> list[RankPlan] | None:
+    """Rank 0: plans to restore from tier 2 when its newest usable manifested step is newer
+    than the newest complete in-cluster step (a tie prefers the cluster's RAM). Usable: of
+    the lineage the restore takes for that step (``latest``, from every copy in RAM and
+    the tier: :func:`incluster.recovery.lineage.current`), so a step of a timeline a later
+    one went back from, or saved again by a later timeline, is passed over. A step of
+    another world size is resharded: old shard o is fetched by rank o mod W, and the
+    resharding plan's shared part goes into ``shared``."""
+    for step in sorted(manifests, reverse=True):
+        if in_cluster is not None and step <= in_cluster:
+            return None
+        if ("<persistent>", -1, step) in exclude:
             continue
         records, world, lin = manifests[step]
-        if timelines.abandoned(step, lin):
-            log.warning("incluster: persistent step %d belongs to a timeline a later restore went back from; "
-                        "skipped (delete its folder in the tier if it is not wanted)", step)
+        if latest is not None and latest.get(step) != lin:
+            log.warning("incluster: persistent step %d belongs to a timeline a later restore went back from, or "
+                        "one that saved step %d again; skipped (delete its folder in the tier if it is not wanted)",
+                        step, step)
             exclude.add(("<persistent>", -1, step))
             continue
         if world != ctx.world_size or remesh:

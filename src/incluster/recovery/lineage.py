@@ -72,25 +72,25 @@ class Timelines:
 
 
 def current(
-    holdings: Mapping[str, Iterable[tuple[int, ...]]],
+    holdings: Mapping[str, Iterable[tuple[int, ...]]], others: Iterable[tuple[int, Lineage]] = (),
 ) -> tuple[dict[str, list[tuple[int, ...]]], list[tuple[str, int, int]], dict[int, Lineage]]:
     """``holdings`` without the copies a restore must not use (rules 1 and 2 above); the
-    dropped ones as (node, owner, step); and the lineage of each step's copies kept."""
+    dropped ones as (node, owner, step); and the lineage each step's copies must have
+    (``others``: (step, lineage) of copies elsewhere - the persistent tier's manifests -
+    that count as evidence too; a tier step whose lineage is not the step's is unusable)."""
     items = {node: list(its) for node, its in holdings.items()}
-    tl = Timelines(of_item(i) for its in items.values() for i in its)
+    seen = [(i[1], of_item(i)) for its in items.values() for i in its] + list(others)
+    tl = Timelines(lin for _, lin in seen)
     latest: dict[int, Lineage] = {}
-    for its in items.values():
-        for i in its:
-            lin = of_item(i)
-            if not tl.abandoned(i[1], lin) and (i[1] not in latest or lin > latest[i[1]]):
-                latest[i[1]] = lin
+    for step, lin in seen:
+        if not tl.abandoned(step, lin) and (step not in latest or lin > latest[step]):
+            latest[step] = lin
     kept: dict[str, list[tuple[int, ...]]] = {}
     dropped: list[tuple[str, int, int]] = []
     for node, its in items.items():
         kept[node] = []
         for i in its:
-            lin = of_item(i)
-            if latest.get(i[1]) == lin:
+            if latest.get(i[1]) == of_item(i):
                 kept[node].append(i)
             else:
                 dropped.append((node, i[0], i[1]))

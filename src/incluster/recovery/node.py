@@ -131,24 +131,28 @@ def drop_other_timelines(local_dir: str, job: str, step: int, chosen: Lineage, r
     """The restore chose ``step`` of the ``chosen`` timeline: un-commit every copy on this
     node of the same step number from another timeline (a node that was away when a
     restore went back past it), so nothing combines or forwards it, and the restored
-    step's heal and replicas do not meet a stale copy of that name."""
+    step's heal and replicas do not meet a stale copy of that name. My own ring is judged
+    from its memory first: another rank of this node may unlink my marker before I look,
+    and a ring that still thought it held the step would refuse the heal."""
+    mine = os.path.abspath(ring.folder)
+    if step in ring.committed_steps():
+        marker = os.path.join(mine, sidecar_file(step))
+        if not os.path.exists(marker) or _head(marker)[2] != chosen:
+            log.info("incluster: %s holds step %d of another timeline; un-committed", mine, step)
+            ring.discard(step)
     base = os.path.join(local_dir, job)
     try:
         names = os.listdir(base)
     except FileNotFoundError:
         return
-    mine = os.path.abspath(ring.folder)
     for n in names:
         if not (n.startswith("rank-") and n[5:].isdigit()):
             continue
         folder = os.path.join(base, n)
         marker = os.path.join(folder, sidecar_file(step))
-        if not os.path.exists(marker) or _head(marker)[2] == chosen:
+        if os.path.abspath(folder) == mine or not os.path.exists(marker) or _head(marker)[2] == chosen:
             continue
         log.info("incluster: %s holds step %d of another timeline; un-committed", folder, step)
-        if os.path.abspath(folder) == mine:
-            ring.discard(step)
-            continue
         try:
             os.unlink(marker)
         except FileNotFoundError:

@@ -17,7 +17,7 @@ import torch
 
 from incluster.errors import CheckpointError, TierUnavailableError
 from incluster.recovery import lineage
-from incluster.recovery.from_persistent import persistent_plan
+from incluster.recovery.from_persistent import persistent_plan, tier_manifests
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, scatter_from_zero
 from incluster.recovery.plan import Plan, RankPlan, make_plan
 from incluster.recovery.reshard_pieces import Maps
@@ -65,26 +65,32 @@ def plan_round(
         for node, inv in gathered:
             if inv is not None:
                 held.setdefault(node, {}).update((tuple(int(x) for x in item), None) for item in inv)
-        # Copies of abandoned timelines, and of older timelines at a step a later one saved
-        # again, are never combined with the rest (recovery/lineage.py).
-        holdings, dropped, lineages = lineage.current({node: list(items) for node, items in held.items()})
-        _say_dropped(ctx, dropped)
-        for node, inv in extra:  # copies healed in earlier rounds: of a step the plan chose
-            holdings.setdefault(node, []).extend(tuple(int(x) for x in item) for item in inv)
+        raw = {node: list(items) for node, items in held.items()}
+        healed = [(node, [tuple(int(x) for x in item) for item in inv]) for node, inv in extra]
         remesh = any(e[0] == MESH for e in exclude)
-        failed = None
+
+        def planned(others: list[Any]) -> tuple[Plan, list[tuple[str, int, int]], dict[int, Any]]:
+            # Copies of abandoned timelines, and of older timelines at a step a later one
+            # saved again, are never combined with the rest (recovery/lineage.py).
+            holdings, dropped, latest = lineage.current(raw, others)
+            for node, items in healed:  # copies healed in earlier rounds: of a step the plan chose
+                holdings.setdefault(node, []).extend(items)
+            return make_plan(topo, holdings, exclude, force_reshard=remesh), dropped, latest
+
+        failed, persisted = None, None
         try:
-            plan = make_plan(topo, holdings, exclude, force_reshard=remesh)
+            plan, dropped, lineages = planned([])
+            manifests = tier_manifests(ctx, plan.step, exclude)
+            if manifests:  # the tier's timelines are evidence too (its steps may be all a later one left)
+                again = planned([(step, m[2]) for step, m in manifests.items()])
+                if set(again[1]) != set(dropped):
+                    plan = again[0]
+                dropped, lineages = again[1], again[2]
+            _say_dropped(ctx, dropped)
+            persisted = persistent_plan(ctx, plan.step, manifests, exclude, shared,
+                                        [topo.node_index(n) for n in topo.node_of], remesh=remesh, latest=lineages)
         except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
-            plan, failed = Plan(None, []), str(exc)
-        persisted = None
-        if failed is None:
-            try:
-                persisted = persistent_plan(
-                    ctx, plan.step, exclude, shared, [topo.node_index(n) for n in topo.node_of], remesh=remesh,
-                    evidence={lineage.of_item(i) for items in held.values() for i in items})
-            except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
-                failed = (TIER if isinstance(exc, TierUnavailableError) else "") + str(exc)
+            plan, failed = Plan(None, []), (TIER if isinstance(exc, TierUnavailableError) else "") + str(exc)
         if failed is not None:
             plans = [failed] * ctx.world_size
         elif persisted is not None:

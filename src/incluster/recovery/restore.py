@@ -143,6 +143,7 @@ class _Run:
     def __init__(self, ctx: Context, state: Mapping[str, Any], report: RestoreReport) -> None:
         self.ctx, self.state, self.report = ctx, state, report
         self.loaded: int | None = None  # step whose verified bytes are all in the live state
+        self.loaded_as: tuple[int, int, int] | None = None  # the lineage of those bytes (recovery/lineage.py)
         self.dirty = False  # the live state holds bytes of a copy or step not (or no longer) chosen
         self.extra: list[tuple[str, list[tuple[int, ...]]]] = []  # rank 0: copies healed so far
         self.exclude: set[tuple[str, int, int]] = set()  # rank 0: bad copies
@@ -163,7 +164,8 @@ class _Run:
                 if mine.startswith(TIER):  # not "nothing saved": a caller must not start afresh on it
                     raise TierUnavailableError(mine[len(TIER):])
                 raise NoCheckpointError(mine)
-            if self.loaded is not None and mine.step != self.loaded:
+            other = mine.lineage is not None and self.loaded_as is not None and tuple(mine.lineage) != self.loaded_as
+            if self.loaded is not None and (mine.step != self.loaded or other):  # another step, or its namesake
                 self.dirty, self.loaded = True, None
             if mine.step is None:
                 if self.dirty:  # every copy left was bad: "nothing saved" would start from a torn state
@@ -356,7 +358,7 @@ class _Run:
         _check_world(sc, self.ctx, step)
         load_into(self.state, sc.tree, landing.fetch, allow_pickle=self.ctx.allow_pickle, placed=landing.placed)
         self.report.step, self.report.bytes = step, landing.nbytes
-        self.loaded = step
+        self.loaded, self.loaded_as = step, tuple(sc.lineage)
 
     def _collect(self, bad: list[tuple[str, int, int]], healed: list[tuple[Any, ...]] = (), every: bool = False) -> bool:  # type: ignore[assignment]
         """True if any rank found a bad copy (every rank then re-plans). The common case,
