@@ -86,6 +86,7 @@ class Inventory:
         def lin(c: Copy) -> tuple[int, int, int]:
             return c.sidecar.lineage if c.sidecar is not None else NONE
 
+        unused: set[int] = set()
         for job in {c.job for c in self.copies}:
             mine = [c for c in self.copies if c.job == job]
             timelines = Timelines(lin(c) for c in mine)
@@ -95,9 +96,10 @@ class Inventory:
                     latest[c.step] = max(latest.get(c.step, NONE), lin(c))
             for c in mine:
                 if c.sidecar is not None and lin(c) != latest.get(c.step):
-                    self.copies.remove(c)
+                    unused.add(id(c))
                     self.notes.append(Note(c.where, f"a copy of step {c.step} from a timeline a later restore went "
                                                     f"back from: a restore does not use it"))
+        self.copies = [c for c in self.copies if id(c) not in unused]
 
     def steps(self) -> dict[tuple[str, int], dict[int, list[Copy]]]:
         """``(job, step) -> rank -> copies``, each rank's copies in tier order."""
