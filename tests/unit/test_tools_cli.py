@@ -218,10 +218,15 @@ def test_real_checkpoint_verify_ok_and_garbage_is_info(real: tuple[str, dict[str
     folder = os.path.join(root, "j", "rank-00000")
     open(os.path.join(folder, ".staging-9"), "wb").close()
     open(os.path.join(folder, sidecar_file(4) + ".tmp-123"), "wb").close()
+    open(os.path.join(folder, sidecar_file(1) + ".bad"), "wb").close()  # a restore set a bad copy's record aside
+    open(os.path.join(folder, step_file(1)), "wb").close()
     out = cli("verify", root)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK: 2 copies checked, 0 corrupt" in out.stdout
     assert ".staging-9: staging slot" in out.stdout and "half-written sidecar" in out.stdout
+    said = " ".join(out.stdout.split())
+    assert "the commit record of a copy a restore found bad, set aside" in said and "unknown file" not in said
+    assert "a shard a restore found bad" in said
     assert "FAULT" not in out.stdout
 
 

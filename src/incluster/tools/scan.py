@@ -117,8 +117,15 @@ def _scan_rank(folder: str, job: str, rank: int, inv: Inventory) -> None:
             except CorruptCheckpointError as exc:
                 copy.error = str(exc)
             inv.copies.append(copy)
+        elif name.endswith(".json.bad") and _SIDECAR.match(name[: -len(".bad")]):
+            inv.notes.append(Note(full, "the commit record of a copy a restore found bad, set aside (kept until the "
+                                        "step goes: a restore may forward it to where identical bytes are)"))
         elif (m := _SHARD.match(name)) and f"step-{m.group(1)}.json" not in names:
-            inv.notes.append(Note(full, "shard without a sidecar: a save that never committed (ignored, reclaimed on restart)"))
+            if f"step-{m.group(1)}.json.bad" in names:
+                inv.notes.append(Note(full, "a shard a restore found bad (its record set aside; reclaimed on restart)"))
+            else:
+                inv.notes.append(Note(full, "shard without a sidecar: a save that never committed (ignored, reclaimed "
+                                            "on restart)"))
         elif name.startswith(STAGING_PREFIX):
             inv.notes.append(Note(full, "staging slot: a spare save slot or a torn save (harmless, reused)"))
         elif ".json.tmp-" in name:
