@@ -171,10 +171,6 @@ class _Run:
                 if self.dirty:  # every copy left was bad: "nothing saved" would start from a torn state
                     raise NoCheckpointError("no step is left with a good copy of every rank's shard")
                 return
-            ctx.ring.reset_to(mine.step)
-            abandon_newer(ctx.local_dir, ctx.job, mine.step, ctx.ring)
-            if mine.lineage is not None:
-                drop_other_timelines(ctx.local_dir, ctx.job, mine.step, mine.lineage, ctx.ring)
             if mine.forwarding:  # rebuild lost shards where identical bytes are, then plan again
                 rebuilt, bad = forward_sidecars(ctx, mine)
                 self._collect(bad, rebuilt, every=True)
@@ -197,9 +193,11 @@ class _Run:
                 finally:
                     self.dirty = self.dirty or rs.dirty
                 report.source, report.old_world = "reshard", mine.world
-                ctx.ring.set_global(mine.step)
+                self._settle(mine)
                 return
             if mine.persistent is not None:
+                if self.loaded != mine.step:
+                    self._settle(mine)  # the download takes a slot of my ring for the step
                 problem = None if self.loaded == mine.step else self._download(mine)
                 if problem is not None:
                     log.warning("incluster: %s; the persistent step is set aside", problem)
@@ -214,7 +212,7 @@ class _Run:
                 if self._collect([("<persistent>", -1, mine.step)] if problem else []):
                     continue
                 report.source = "persistent"
-                ctx.ring.set_global(mine.step)
+                self._settle(mine)
                 return
             bad, outgoing = open_outgoing(ctx, mine, report)
             if mine.transfers and self._collect(bad):  # no rank sends: nobody can have found a bad copy yet
@@ -227,14 +225,32 @@ class _Run:
             elif mine.source is None and self.loaded != mine.step:
                 bad += self._load_local(mine)
             if self._collect(bad, healed):
+                if self.received is not None and self.received.can_heal:
+                    self._settle(mine)  # the heal takes a slot of my ring for the step
                 self._heal_now()  # rank 0 now counts my node's copy: it must exist before the next round
                 continue
             report.source = "local" if mine.source is None else "peer"
             report.source_rank, report.source_node = mine.source, mine.source_node
-            ctx.ring.set_global(mine.step)
+            self._settle(mine)
             ctx.heal, self.received = self.received, None
             return
         raise CheckpointError(f"restore did not settle after {MAX_ROUNDS} rounds of re-planning; see the log for bad copies")
+
+    def _settle(self, mine: RankPlan) -> None:
+        """Training goes on from ``mine.step``: newer steps on this node are an abandoned
+        timeline, and so are copies of this step number from another one. Done once the step
+        is loaded (or a slot of my ring must take it: a download, a heal), never for a step
+        only planned: a restore that then found every copy bad un-committed good copies of
+        newer steps (a node coming back with the one copy missing could no longer restore
+        them), and set-aside records with them."""
+        ctx, step = self.ctx, mine.step
+        if step is None:
+            return
+        ctx.ring.reset_to(step)
+        abandon_newer(ctx.local_dir, ctx.job, step, ctx.ring)
+        if mine.lineage is not None:
+            drop_other_timelines(ctx.local_dir, ctx.job, step, mine.lineage, ctx.ring)
+        ctx.ring.set_global(step)
 
     def _transfer(self, mine: RankPlan, outgoing: list[Outgoing]) -> list[tuple[str, int, int]]:
         """Send what I must; receive my shard if the plan says so (and I lack it)."""
