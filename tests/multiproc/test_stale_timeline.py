@@ -47,5 +47,10 @@ def test_a_returning_node_never_brings_back_an_abandoned_timeline(local_dir):
     # rank 1 took the first run's step 20 from its own node B: a torn state.
     for r, s in zip(third, second):
         assert r["load"] == 20 and r["after_load"] == s["saved"]["20"], (third, second)
+    # rank 1's node healed its own copy of the later step 20 (the old one made way for it)
+    from incluster.format.sidecar import read_sidecar
+
+    healed = read_sidecar(os.path.join(b, "stale", "rank-00001", f"step-{20:012d}.json"))
+    assert healed.lineage == read_sidecar(os.path.join(a, "stale", "rank-00000", f"step-{20:012d}.json")).lineage
     cli = subprocess.run([sys.executable, "-m", "incluster", "verify", a, b], capture_output=True, text=True)
     assert "newest step with a good copy of every rank is 20" in cli.stdout or "step 20 has a good copy" in cli.stdout, cli.stdout

@@ -191,11 +191,9 @@ def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[t
         )
         if sc.checksum != expect:
             return f"{where}: sidecar and manifest disagree"
-        if any(s.step == step for s in ctx.ring.slots):
-            # This node kept its own copy of a step the cluster as a whole lost (its save
-            # failed elsewhere): the manifested copy replaces it.
-            ctx.ring.discard(step)
-        slot = ctx.ring.acquire(step, ctx.timeout_s)
+        # A copy this node kept of a step the cluster as a whole lost (its save failed
+        # elsewhere), or another timeline's: the manifested copy replaces it
+        slot = ctx.ring.acquire_for_restore(step)
         try:
             ctx.ring.prepare(slot, expect.size)
             into = memoryview(slot.mm) if slot.mm is not None else memoryview(bytearray())

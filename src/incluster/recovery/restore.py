@@ -196,8 +196,6 @@ class _Run:
                 self._settle(mine)
                 return
             if mine.persistent is not None:
-                if self.loaded != mine.step:
-                    self._settle(mine)  # the download takes a slot of my ring for the step
                 problem = None if self.loaded == mine.step else self._download(mine)
                 if problem is not None:
                     log.warning("incluster: %s; the persistent step is set aside", problem)
@@ -225,8 +223,6 @@ class _Run:
             elif mine.source is None and self.loaded != mine.step:
                 bad += self._load_local(mine)
             if self._collect(bad, healed):
-                if self.received is not None and self.received.can_heal:
-                    self._settle(mine)  # the heal takes a slot of my ring for the step
                 self._heal_now()  # rank 0 now counts my node's copy: it must exist before the next round
                 continue
             report.source = "local" if mine.source is None else "peer"
@@ -239,8 +235,8 @@ class _Run:
     def _settle(self, mine: RankPlan) -> None:
         """Training goes on from ``mine.step``: newer steps on this node are an abandoned
         timeline, and so are copies of this step number from another one. Done once the step
-        is loaded (or a slot of my ring must take it: a download, a heal), never for a step
-        only planned: a restore that then found every copy bad un-committed good copies of
+        is loaded, never for a step only planned (a download or a heal takes its slot with
+        ``SlotRing.acquire_for_restore``, beside newer steps): a restore that then found every copy bad un-committed good copies of
         newer steps (a node coming back with the one copy missing could no longer restore
         them), and set-aside records with them."""
         ctx, step = self.ctx, mine.step

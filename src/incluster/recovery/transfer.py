@@ -201,7 +201,7 @@ class Received:
         self.sidecar, self.landing = sc, Landing(header, segs, targets)
         self.dests = list(self.landing.dests[1:])
         try:
-            self.slot = self.ring.acquire(self.step, self.timeout_s)
+            self.slot = self.ring.acquire_for_restore(self.step)
             self.ring.open_for_writes(self.slot, size)
             self.ring.write_at(self.slot, 0, [hdr])
         except (OSError, CheckpointError) as exc:

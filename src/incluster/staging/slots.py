@@ -173,6 +173,32 @@ class SlotRing:
             slot.state, slot.step = SlotState.STAGING, step
             return slot
 
+    def acquire_for_restore(self, step: int) -> Slot:
+        """A slot for a restore's copy of ``step`` (a heal, a download). The plan chose
+        ``step``, so a committed slot of that number (a bad copy, another timeline's) is
+        freed first; newer steps stay until the restore has loaded (a restore that then
+        fails must not have dropped them). Takes a free slot, a new one, or the oldest
+        committed slot older than ``step``, never one holding a newer step;
+        CheckpointError when there is none (the restore then skips the node's copy)."""
+        with self._cond:
+            if any(s.step == step and s.state is SlotState.COMMITTED for s in self.slots):
+                self._discard(step)
+            if any(s.step == step for s in self.slots):
+                raise CheckpointError(f"a slot of {self.folder} is already taking step {step}")
+            slot = next((s for s in self.slots if s.state is SlotState.FREE and not s.uploading), None)
+            if slot is None and len(self.slots) < self.keep:
+                slot = Slot(len(self.slots), os.path.join(self.folder, f"{STAGING_PREFIX}{len(self.slots)}"))
+                self.slots.append(slot)
+            if slot is None:
+                old = [s for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None
+                       and s.step < step and not s.uploading]
+                slot = min(old, key=lambda s: s.step or 0) if old else None
+            if slot is None:
+                raise CheckpointError(f"every slot of {self.folder} holds a step newer than {step}, or is in use")
+            self._uncommit(slot)
+            slot.state, slot.step = SlotState.STAGING, step
+            return slot
+
     def acquire_new(self) -> Slot | None:
         """A brand-new FREE slot to pre-allocate, or None when the ring is full.
 
