@@ -8,6 +8,9 @@ import os
 import threading
 import time
 
+import pytest
+
+from incluster.errors import CheckpointError
 from incluster.recovery.node import abandon_newer
 from incluster.staging.slots import SlotRing, SlotState, sidecar_file, step_file
 
@@ -155,3 +158,47 @@ def test_a_commit_whose_marker_cannot_be_written_leaves_the_slot_staged(local_di
     with pytest.raises(CheckpointError):
         ring.commit(slot, 4, lambda: None)  # a slot that no longer holds the step is never committed
     ring.close()
+
+
+def _commit(ring: SlotRing, step: int, fill: bytes = b"x") -> None:
+    slot = ring.acquire(step, 5)
+    ring.prepare(slot, 4096)
+    ring.write_at(slot, 0, [fill * 4096])
+    ring.commit(slot, step, lambda: open(os.path.join(ring.folder, sidecar_file(step)), "w").close())
+
+
+def test_a_restores_copy_never_takes_a_newer_step_and_says_when_there_is_no_room(local_dir):
+    """Newer steps stay while a restore of an older one runs (a restore that fails must
+    not have dropped them): the restore's copy takes a free slot or an older step's, and
+    a ring full of newer steps says so ahead (the restore then drops them first)."""
+    ring = SlotRing(os.path.join(local_dir, "job", "rank-00000"), keep=3)
+    for step in (120, 130, 140):
+        _commit(ring, step)
+    assert not ring.room_for_restore(110)
+    with pytest.raises(CheckpointError, match="holds a step newer than 110"):
+        ring.acquire_for_restore(110)
+    assert ring.room_for_restore(125)
+    slot = ring.acquire_for_restore(125)  # the oldest step older than it goes: 120
+    assert ring.committed_steps() == [130, 140] and slot.step == 125
+
+
+def test_a_discarded_step_gives_its_name_back_so_two_slots_never_share_a_file(local_dir):
+    """A copy of step 20 was discarded (bad, or another timeline's) and the restore's new
+    copy of 20 committed from another slot. The discarded slot still held the name
+    step-20.safetensors: the next save that took it renamed the new copy away (step 20's
+    record left without its shard) and both slots wrote one file."""
+    ring = SlotRing(os.path.join(local_dir, "job", "rank-00000"), keep=3)
+    _commit(ring, 10)
+    _commit(ring, 20, b"o")
+    ring.discard(10)  # a free slot ahead of the one holding 20
+    slot = ring.acquire_for_restore(20)
+    ring.prepare(slot, 4096)
+    ring.write_at(slot, 0, [b"n" * 4096])
+    ring.commit(slot, 20, lambda: open(os.path.join(ring.folder, sidecar_file(20)), "w").close())
+    _commit(ring, 30)
+    ring.set_global(30)
+    _commit(ring, 40)
+    shard = os.path.join(ring.folder, step_file(20))
+    assert 20 in ring.committed_steps() and open(shard, "rb").read(1) == b"n"
+    paths = [s.path for s in ring.slots]
+    assert len(set(paths)) == len(paths), paths

@@ -196,6 +196,8 @@ class _Run:
                 self._settle(mine)
                 return
             if mine.persistent is not None:
+                if self.loaded != mine.step and not ctx.ring.room_for_restore(mine.step):
+                    self._settle(mine)  # every slot holds a newer step: the tier's step replaces them
                 problem = None if self.loaded == mine.step else self._download(mine)
                 if problem is not None:
                     log.warning("incluster: %s; the persistent step is set aside", problem)
@@ -217,6 +219,8 @@ class _Run:
                 for o in outgoing:
                     o.reader.close()
                 continue
+            if mine.source is not None and self.loaded != mine.step and not ctx.ring.room_for_restore(mine.step):
+                self._settle(mine)  # every slot holds a newer step: make room for the node's copy
             bad, healed = self._transfer(mine, outgoing), []
             if mine.source is not None and self.loaded == mine.step and self.received is not None and self.received.can_heal:
                 healed = [(ctx.node, ctx.rank, mine.step, report.bytes)]
@@ -300,7 +304,12 @@ class _Run:
         """Write and commit the node's copy of what was received, here and now."""
         received, self.received = self.received, None
         if received is not None and received.can_heal:
-            received.heal()
+            try:
+                received.heal()
+            except (OSError, CheckpointError) as exc:  # the load stands; only the node's copy is missing
+                received.abandon()
+                log.warning("incluster: rank %d could not write its node's copy of step %s (%s: %s); the next "
+                            "save makes one", self.ctx.rank, received.step, type(exc).__name__, exc)
         elif received is not None:
             received.abandon()
 

@@ -173,6 +173,13 @@ class SlotRing:
             slot.state, slot.step = SlotState.STAGING, step
             return slot
 
+    def room_for_restore(self, step: int) -> bool:
+        """Whether :meth:`acquire_for_restore` would find a slot for ``step``."""
+        with self._cond:
+            return any(s.state is SlotState.FREE and not s.uploading for s in self.slots) or len(self.slots) < self.keep \
+                or any(s.step is not None and s.step <= step and s.state is SlotState.COMMITTED and not s.uploading
+                       for s in self.slots)
+
     def acquire_for_restore(self, step: int) -> Slot:
         """A slot for a restore's copy of ``step`` (a heal, a download). The plan chose
         ``step``, so a committed slot of that number (a bad copy, another timeline's) is
@@ -183,6 +190,7 @@ class SlotRing:
         with self._cond:
             if any(s.step == step and s.state is SlotState.COMMITTED for s in self.slots):
                 self._discard(step)
+                self._cond.notify_all()
             if any(s.step == step for s in self.slots):
                 raise CheckpointError(f"a slot of {self.folder} is already taking step {step}")
             slot = next((s for s in self.slots if s.state is SlotState.FREE and not s.uploading), None)
@@ -236,6 +244,13 @@ class SlotRing:
             pass
         for s in self.slots:
             if s.step == step and s.state is SlotState.COMMITTED:
+                # Back to its staging name (open mappings keep their bytes): a free slot left
+                # under the step's name would take the file of the next copy of that step
+                # (another slot's), and both would write one file.
+                staging = os.path.join(self.folder, f"{STAGING_PREFIX}{s.index}")
+                if s.path != staging and os.path.exists(s.path):
+                    os.replace(s.path, staging)
+                s.path = staging
                 s.state, s.step = SlotState.FREE, None
         steps = [s.step for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None]
         self.newest_committed = max(steps) if steps else None
