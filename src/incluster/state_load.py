@@ -327,16 +327,15 @@ def _loaded_in_place(module: torch.nn.Module, live_sd: Mapping[str, Any], new_sd
     return True
 
 
-def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> list[torch.optim.Optimizer]:
-    """Give optimizers that have not stepped yet their state tensors, so load is in place;
-    returns them (a refused load empties their state again: see :func:`_dry_walk`).
+def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> None:
+    """Give optimizers that have not stepped yet their state tensors, so load is in place
+    (a restore refused before any byte landed empties their state again: ``restore``).
 
     Runs one step with zero gradients and a learning rate of 0 (parameters unchanged),
     only for optimizers whose live state is empty while the checkpoint has state.
     """
-    made: list[torch.optim.Optimizer] = []
     if not isinstance(tree, dict) or "d" not in tree:
-        return made
+        return
     for key, node in tree["d"]:
         obj = state.get(key) if isinstance(state, Mapping) else None
         if not (isinstance(obj, torch.optim.Optimizer) and isinstance(node, dict) and node.get("S") == "optimizer"):
@@ -345,8 +344,6 @@ def init_lazy_optimizers(state: Mapping[str, Any], tree: Any) -> list[torch.opti
         if obj.state or not saved.get("state", {}).get("d"):
             continue
         init_optimizer_state(obj)
-        made.append(obj)
-    return made
 
 
 def init_optimizer_state(obj: torch.optim.Optimizer) -> None:
@@ -400,19 +397,12 @@ def live_targets(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = Fa
 
 
 def _dry_walk(state: Mapping[str, Any], tree: Any, loader: "_Loader") -> None:
-    """Walk ``tree`` over the live state without copying. A mismatch refuses the load
-    before any byte lands: the optimizers given state for it are left as they were, with
-    none (one a caller then trains afresh must not start at step 1 with zero moments)."""
+    """Walk ``tree`` over the live state without copying (optimizers get their state first)."""
     with torch.no_grad():
-        made = init_lazy_optimizers(state, tree)
-        try:
-            for key, node in tree["d"]:
-                if key in state:
-                    loader.top(node, state[key], escape_part(key))
-        except BaseException:
-            for obj in made:
-                obj.state.clear()
-            raise
+        init_lazy_optimizers(state, tree)
+        for key, node in tree["d"]:
+            if key in state:
+                loader.top(node, state[key], escape_part(key))
 
 
 def live_dtensors(state: Mapping[str, Any], tree: Any, *, allow_pickle: bool = False) -> dict[str, tuple[Any, str]]:

@@ -71,6 +71,18 @@ class Timelines:
         return i < len(self._keys) and step > self._low[i]
 
 
+def latest_of(seen: Iterable[tuple[int, Lineage]]) -> dict[int, Lineage]:
+    """Of (step, lineage) pairs - one per copy - the lineage each step's usable copies
+    have (rules 1 and 2 above); a step whose every copy is abandoned is absent."""
+    seen = list(seen)
+    timelines = Timelines(lin for _, lin in seen)
+    latest: dict[int, Lineage] = {}
+    for step, lin in seen:
+        if not timelines.abandoned(step, lin) and (step not in latest or lin > latest[step]):
+            latest[step] = lin
+    return latest
+
+
 def current(
     holdings: Mapping[str, Iterable[tuple[int, ...]]], others: Iterable[tuple[int, Lineage]] = (),
 ) -> tuple[dict[str, list[tuple[int, ...]]], list[tuple[str, int, int]], dict[int, Lineage]]:
@@ -79,12 +91,7 @@ def current(
     (``others``: (step, lineage) of copies elsewhere - the persistent tier's manifests -
     that count as evidence too; a tier step whose lineage is not the step's is unusable)."""
     items = {node: list(its) for node, its in holdings.items()}
-    seen = [(i[1], of_item(i)) for its in items.values() for i in its] + list(others)
-    tl = Timelines(lin for _, lin in seen)
-    latest: dict[int, Lineage] = {}
-    for step, lin in seen:
-        if not tl.abandoned(step, lin) and (step not in latest or lin > latest[step]):
-            latest[step] = lin
+    latest = latest_of([(i[1], of_item(i)) for its in items.values() for i in its] + list(others))
     kept: dict[str, list[tuple[int, ...]]] = {}
     dropped: list[tuple[str, int, int]] = []
     for node, its in items.items():

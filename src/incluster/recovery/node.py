@@ -91,6 +91,16 @@ def _head(path: str) -> tuple[int, int, Lineage]:
     return int(m.group(1)), (int(m.group(2)) if m.group(2) else 0), lin
 
 
+def _rank_folders(local_dir: str, job: str) -> list[str]:
+    """Every rank folder of the job on this node (own, other local ranks', replicas)."""
+    base = os.path.join(local_dir, job)
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(base, n) for n in names if n.startswith("rank-") and n[5:].isdigit()]
+
+
 def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
     """Training continues from ``step``: every copy of a newer step on this node (own
     shards and replicas alike) belongs to an abandoned timeline. Un-commit them all, so
@@ -99,16 +109,8 @@ def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
     commit markers are removed here: every shard file stays with the ring that owns it
     (mine, another local rank's, a writer's replica ring), which reuses its pages; a
     file no ring holds is cleaned up when a ring adopts the folder."""
-    base = os.path.join(local_dir, job)
-    try:
-        names = os.listdir(base)
-    except FileNotFoundError:
-        return
     mine = os.path.abspath(ring.folder)
-    for n in names:
-        if not (n.startswith("rank-") and n[5:].isdigit()):
-            continue
-        folder = os.path.join(base, n)
+    for folder in _rank_folders(local_dir, job):
         for newer in _set_aside(folder, []):
             if newer > step:  # a record of the abandoned timeline: never forwarded
                 try:
@@ -140,15 +142,7 @@ def drop_other_timelines(local_dir: str, job: str, step: int, chosen: Lineage, r
         if not os.path.exists(marker) or _head(marker)[2] != chosen:
             log.info("incluster: %s holds step %d of another timeline; un-committed", mine, step)
             ring.discard(step)
-    base = os.path.join(local_dir, job)
-    try:
-        names = os.listdir(base)
-    except FileNotFoundError:
-        return
-    for n in names:
-        if not (n.startswith("rank-") and n[5:].isdigit()):
-            continue
-        folder = os.path.join(base, n)
+    for folder in _rank_folders(local_dir, job):
         marker = os.path.join(folder, sidecar_file(step))
         if os.path.abspath(folder) == mine or not os.path.exists(marker) or _head(marker)[2] == chosen:
             continue

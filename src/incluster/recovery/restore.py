@@ -240,9 +240,9 @@ class _Run:
         """Training goes on from ``mine.step``: newer steps on this node are an abandoned
         timeline, and so are copies of this step number from another one. Done once the step
         is loaded, never for a step only planned (a download or a heal takes its slot with
-        ``SlotRing.acquire_for_restore``, beside newer steps): a restore that then found every copy bad un-committed good copies of
-        newer steps (a node coming back with the one copy missing could no longer restore
-        them), and set-aside records with them."""
+        ``SlotRing.acquire_for_restore``, beside newer steps): a restore that then found
+        every copy bad had un-committed good copies of newer steps (a node coming back with
+        the one copy missing could no longer restore them), and set-aside records with them."""
         ctx, step = self.ctx, mine.step
         if step is None:
             return

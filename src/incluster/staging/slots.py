@@ -176,9 +176,20 @@ class SlotRing:
     def room_for_restore(self, step: int) -> bool:
         """Whether :meth:`acquire_for_restore` would find a slot for ``step``."""
         with self._cond:
-            return any(s.state is SlotState.FREE and not s.uploading for s in self.slots) or len(self.slots) < self.keep \
-                or any(s.step is not None and s.step <= step and s.state is SlotState.COMMITTED and not s.uploading
-                       for s in self.slots)
+            same = any(s.step == step and s.state is SlotState.COMMITTED and not s.uploading for s in self.slots)
+            return same or self._restore_slot(step) is not None
+
+    def _restore_slot(self, step: int) -> Slot | None:
+        """A free slot, a new one (not yet in the ring), or the oldest committed slot older
+        than ``step``; never one holding a newer step or read by an upload."""
+        slot = next((s for s in self.slots if s.state is SlotState.FREE and not s.uploading), None)
+        if slot is None and len(self.slots) < self.keep:
+            slot = Slot(len(self.slots), os.path.join(self.folder, f"{STAGING_PREFIX}{len(self.slots)}"))
+        if slot is None:
+            old = [s for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None
+                   and s.step < step and not s.uploading]
+            slot = min(old, key=lambda s: s.step or 0) if old else None
+        return slot
 
     def acquire_for_restore(self, step: int) -> Slot:
         """A slot for a restore's copy of ``step`` (a heal, a download). The plan chose
@@ -193,14 +204,9 @@ class SlotRing:
                 self._cond.notify_all()
             if any(s.step == step for s in self.slots):
                 raise CheckpointError(f"a slot of {self.folder} is already taking step {step}")
-            slot = next((s for s in self.slots if s.state is SlotState.FREE and not s.uploading), None)
-            if slot is None and len(self.slots) < self.keep:
-                slot = Slot(len(self.slots), os.path.join(self.folder, f"{STAGING_PREFIX}{len(self.slots)}"))
+            slot = self._restore_slot(step)
+            if slot is not None and slot not in self.slots:
                 self.slots.append(slot)
-            if slot is None:
-                old = [s for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None
-                       and s.step < step and not s.uploading]
-                slot = min(old, key=lambda s: s.step or 0) if old else None
             if slot is None:
                 raise CheckpointError(f"every slot of {self.folder} holds a step newer than {step}, or is in use")
             self._uncommit(slot)

@@ -81,21 +81,14 @@ class Inventory:
         """Copies a restore would not use (:mod:`incluster.recovery.lineage`): of a timeline
         a later restore went back from, or an older timeline's at a step a later one saved
         again. They move to the notes, so no step counts them."""
-        from incluster.recovery.lineage import NONE, Timelines
-
-        def lin(c: Copy) -> tuple[int, int, int]:
-            return c.sidecar.lineage if c.sidecar is not None else NONE
+        from incluster.recovery.lineage import latest_of
 
         unused: set[int] = set()
         for job in {c.job for c in self.copies}:
-            mine = [c for c in self.copies if c.job == job]
-            timelines = Timelines(lin(c) for c in mine)
-            latest: dict[int, tuple[int, int, int]] = {}
+            mine = [c for c in self.copies if c.job == job and c.sidecar is not None]
+            latest = latest_of((c.step, c.sidecar.lineage) for c in mine)  # type: ignore[union-attr]
             for c in mine:
-                if c.sidecar is not None and not timelines.abandoned(c.step, lin(c)):
-                    latest[c.step] = max(latest.get(c.step, NONE), lin(c))
-            for c in mine:
-                if c.sidecar is not None and lin(c) != latest.get(c.step):
+                if c.sidecar.lineage != latest.get(c.step):  # type: ignore[union-attr]
                     unused.add(id(c))
                     self.notes.append(Note(c.where, f"a copy of step {c.step} from a timeline a later restore went "
                                                     f"back from: a restore does not use it"))
