@@ -187,19 +187,25 @@ def _restores_from_the_heal_alone(local_dir, after, env, first):
     assert third[1]["restore"]["source"] == "local" and third[1]["restore"]["source_node"] == "E"
 
 
-def test_a_persistent_step_replaces_a_nodes_own_copy_of_it(local_dir, tmp_path):
+@pytest.mark.parametrize("own_copy", ["good", "corrupt"])
+def test_a_persistent_step_is_downloaded_only_by_the_ranks_that_lost_their_copy(local_dir, tmp_path, own_copy):
     """Rank 1 lost every copy of steps 2 and 4; rank 0 still holds its own. The persistent
-    tier has step 2 complete: every rank downloads it, and rank 0's RAM copy of step 2 is
-    replaced, not an obstacle (found by the crash campaign)."""
+    tier has step 2 complete: rank 1 downloads its shard, rank 0 reads its node's copy of
+    the same step (never downloaded again, nor an obstacle: found by the crash campaign).
+    A copy of rank 0's found bad as it loads is downloaded in the next round."""
     env = {**THREAD, "INCLUSTER_PERSISTENT": str(tmp_path / "persist")}
     codes, first, job = _run(local_dir, 0, nodes=["A", "B"], env=env)  # step 2 also goes to the tier
     assert codes == [0, 0], [job.output(r) for r in range(2)]
     for node in ("A", "B"):
         shutil.rmtree(os.path.join(local_dir, node, "mp", "rank-00001"), ignore_errors=True)
+    if own_copy == "corrupt":
+        flip_byte(os.path.join(local_dir, "A", "mp", "rank-00000", "step-000000000002.safetensors"))
     codes, second, job = _run(local_dir, 1, nodes=["A", "B"], env=env)
     assert codes == [0, 0], [job.output(r) for r in range(2)]
     _assert_restored(second, first, 2)
-    assert all(res["restore"]["source"] == "persistent" for res in second.values())
+    assert second[0]["restore"]["source"] == ("local" if own_copy == "good" else "persistent")
+    assert second[1]["restore"]["source"] == "persistent"
+    assert os.path.exists(os.path.join(local_dir, "B", "mp", "rank-00001", "step-000000000002.json"))
 
 
 STAGED = {"WIRE_PIECE": "4096", "WIRE_WINDOW": "2"}  # the NCCL path's staged pieces, on CPU

@@ -1,9 +1,9 @@
 """Restoring from the persistent tier (tier 2) when it holds a newer step than the cluster.
 
 Rank 0 compares the newest manifested persistent step with the newest complete
-in-cluster step; if the persistent one is newer, every rank downloads its own shard
-(verified against its sidecar and the manifest) into one of its slots, which heals its
-node's RAM tier on the way.
+in-cluster step; if the persistent one is newer, every rank whose node lacks its shard
+of that step downloads it (verified against its sidecar and the manifest) into one of its
+slots, which heals its node's RAM tier on the way; the others read their node's copy.
 
 A persistent step saved by another world size is resharded: each old shard is
 downloaded once, by the rank rank 0 assigns it to, into that old rank's folder on its
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from incluster.errors import CorruptCheckpointError, TierUnavailableError
 from incluster.recovery import lineage
@@ -73,7 +73,7 @@ def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int
 def persistent_plan(
     ctx: Any, in_cluster: int | None, manifests: Manifests, exclude: set[tuple[str, int, int]],
     shared: dict[str, Any] | None = None, node_index: list[int] | None = None, remesh: bool = False,
-    latest: dict[int, lineage.Lineage] | None = None,
+    latest: dict[int, lineage.Lineage] | None = None, own: Callable[[int], set[int]] | None = None,
 ) -> list[RankPlan] | None:
     """Rank 0: plans to restore from tier 2 when its newest usable manifested step is newer
     than the newest complete in-cluster step (a tie prefers the cluster's RAM). Usable: of
@@ -81,7 +81,9 @@ def persistent_plan(
     the tier: :func:`incluster.recovery.lineage.current`), so a step of a timeline a later
     one went back from, or saved again by a later timeline, is passed over. A step of
     another world size is resharded: old shard o is fetched by rank o mod W, and the
-    resharding plan's shared part goes into ``shared``."""
+    resharding plan's shared part goes into ``shared``. Of the same world size, a rank
+    whose own node holds its shard of the step (``own(step)``: copies of the same
+    timeline, so the same bytes) reads that copy; only the others download."""
     for step in sorted(manifests, reverse=True):
         if in_cluster is not None and step <= in_cluster:
             return None
@@ -107,7 +109,9 @@ def persistent_plan(
                 mine[server_of[o]].append(records[o])
             return [RankPlan(step, None, (), "persistent", {"reshard": mine[r]}, world=world, reshard=True,
                              lineage=lin) for r in range(ctx.world_size)]
-        return [RankPlan(step, None, (), "persistent", records[r], lineage=lin) for r in range(ctx.world_size)]
+        local = own(step) if own is not None else set()
+        return [RankPlan(step, None, (), None, None, transfers=False, lineage=lin) if r in local else
+                RankPlan(step, None, (), "persistent", records[r], lineage=lin) for r in range(ctx.world_size)]
     return None
 
 

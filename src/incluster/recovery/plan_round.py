@@ -19,7 +19,7 @@ from incluster.errors import CheckpointError, TierUnavailableError
 from incluster.recovery import lineage
 from incluster.recovery.from_persistent import persistent_plan, tier_manifests
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, scatter_from_zero
-from incluster.recovery.plan import Plan, RankPlan, make_plan
+from incluster.recovery.plan import Plan, RankPlan, index_holders, make_plan, nodes_of
 from incluster.recovery.reshard_pieces import Maps
 from incluster.topology import Topology
 
@@ -69,26 +69,32 @@ def plan_round(
         healed = [(node, [tuple(int(x) for x in item) for item in inv]) for node, inv in extra]
         remesh = any(e[0] == MESH for e in exclude)
 
-        def planned(others: list[Any]) -> tuple[Plan, list[tuple[str, int, int]], dict[int, Any]]:
+        def planned(others: list[Any]) -> tuple[Plan, list[tuple[str, int, int]], dict[int, Any], Any]:
             # Copies of abandoned timelines, and of older timelines at a step a later one
             # saved again, are never combined with the rest (recovery/lineage.py).
             holdings, dropped, latest = lineage.current(raw, others)
             for node, items in healed:  # copies healed in earlier rounds: of a step the plan chose
                 holdings.setdefault(node, []).extend(items)
-            return make_plan(topo, holdings, exclude, force_reshard=remesh), dropped, latest
+            return make_plan(topo, holdings, exclude, force_reshard=remesh), dropped, latest, holdings
 
         failed, persisted = None, None
         try:
-            plan, dropped, lineages = planned([])
+            plan, dropped, lineages, holdings = planned([])
             manifests = tier_manifests(ctx, plan.step, exclude)
             if manifests:  # the tier's timelines are evidence too (its steps may be all a later one left)
                 again = planned([(step, m[2]) for step, m in manifests.items()])
                 if set(again[1]) != set(dropped):
                     plan = again[0]
-                dropped, lineages = again[1], again[2]
+                dropped, lineages, holdings = again[1], again[2], again[3]
             _say_dropped(ctx, dropped)
+            holders = index_holders(holdings, topo, exclude)
+
+            def own(step: int) -> set[int]:  # ranks whose own node holds a usable copy of their shard
+                return {r for r, n in enumerate(topo.node_of) if n in nodes_of(holders, r, step, ctx.world_size)}
+
             persisted = persistent_plan(ctx, plan.step, manifests, exclude, shared,
-                                        [topo.node_index(n) for n in topo.node_of], remesh=remesh, latest=lineages)
+                                        [topo.node_index(n) for n in topo.node_of], remesh=remesh, latest=lineages,
+                                        own=own)
         except CheckpointError as exc:  # every rank must hear it, not wait in the scatter
             plan, failed = Plan(None, []), (TIER if isinstance(exc, TierUnavailableError) else "") + str(exc)
         if failed is not None:

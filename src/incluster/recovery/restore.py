@@ -230,7 +230,7 @@ class _Run:
                 self._heal_now()  # rank 0 now counts my node's copy: it must exist before the next round
                 continue
             report.source = "local" if mine.source is None else "peer"
-            report.source_rank, report.source_node = mine.source, mine.source_node
+            report.source_rank, report.source_node = mine.source, mine.source_node or ctx.node
             self._settle(mine)
             ctx.heal, self.received = self.received, None
             return
