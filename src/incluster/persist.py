@@ -32,6 +32,7 @@ log = logging.getLogger("incluster")
 NOT_DUE = "skipped: not due (persistent_interval_s)"
 CANCELLED = "cancelled: close() ended the upload"
 MANIFEST = "COMMITTED.json"
+SET_ASIDE = "SET_ASIDE.json"  # a restore found a copy of the step bad: passed over, never counted by retention
 _STEP = re.compile(r"^step-(\d{12,})$")
 
 
@@ -66,19 +67,25 @@ def manifested_steps(tier: Any, job: str) -> list[int]:
 
 
 def list_manifested(tier: Any, job: str, timeout: float | None = None) -> list[int]:
-    """Steps with a manifest, newest first. Raises TierUnavailableError when the tier
-    cannot be listed, or (``timeout``) does not answer in time: a hung object store is
-    left listing on a thread of its own."""
+    """Steps with a manifest and not set aside (:func:`set_aside`), newest first. Raises
+    TierUnavailableError when the tier cannot be listed, or (``timeout``) does not answer
+    in time: a hung object store is left listing on a thread of its own."""
+    return [s for s, usable in list_steps(tier, job, timeout).items() if usable]
+
+
+def list_steps(tier: Any, job: str, timeout: float | None = None) -> dict[int, bool]:
+    """Every manifested step, newest first, and whether it is usable (not set aside); as
+    :func:`list_manifested`."""
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            out = []
+            out = {}
             for name in tier.list(job):
                 m = _STEP.match(name)
-                if m and MANIFEST in tier.list(f"{job}/{name}"):
-                    out.append(int(m.group(1)))
-            box["steps"] = sorted(out, reverse=True)
+                if m and MANIFEST in (names := tier.list(f"{job}/{name}")):
+                    out[int(m.group(1))] = SET_ASIDE not in names
+            box["steps"] = dict(sorted(out.items(), reverse=True))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             box["error"] = exc
 
@@ -96,6 +103,36 @@ def list_manifested(tier: Any, job: str, timeout: float | None = None) -> list[i
     if exc is not None:
         raise exc
     return box["steps"]  # type: ignore[no-any-return]
+
+
+def set_aside(tier: Any, job: str, step: int, why: str) -> None:
+    """Mark a manifested step whose copy a restore found bad (a checksum that does not
+    match, a shard missing or cut short): later restores pass over it without downloading
+    it again, and retention counts only usable steps, so it never pushes a good one out.
+    The shards stay for inspection (``incluster verify``) until retention reaches them;
+    deleting the marker has the step tried again. Best effort: a tier that refuses the
+    write is logged, the restore goes on."""
+    path = f"{step_dir(job, step)}/{SET_ASIDE}"
+    body = json.dumps({"step": step, "why": why, "time": time.time()}).encode()
+    try:
+        tier.write(path, memoryview(body))
+    except OSError as exc:
+        log.warning("incluster: could not mark persistent step %d as set aside (%s); later restores will try it "
+                    "again", step, exc)
+        return
+    log.warning("incluster: persistent step %d set aside (%s/%s written): later restores pass over it; delete "
+                "that file to have it tried again", step, getattr(tier, "url", tier), path)
+
+
+def set_aside_reason(tier: Any, job: str, step: int) -> str | None:
+    """Why a step was set aside, or None if it was not (or the marker cannot be read)."""
+    try:
+        data = tier.read(f"{step_dir(job, step)}/{SET_ASIDE}")
+        return str(json.loads(bytes(data)).get("why", "no reason recorded"))  # type: ignore[arg-type]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        return "its marker cannot be read"
 
 
 def fix_for(error: str, folder: str | None = None) -> str:
@@ -440,7 +477,8 @@ class Uploader:
         names = self.tier.list(self.p.job)
         steps = {int(m.group(1)) for m in map(_STEP.match, names) if m}
         newer = sorted(s for s in steps if s > step)
-        here = step in steps and MANIFEST in self.tier.list(step_dir(self.p.job, step))
+        listing = self.tier.list(step_dir(self.p.job, step)) if step in steps else []
+        here = MANIFEST in listing
         if not self.loaded and (newer or here):
             raise CheckpointError(
                 f"the persistent tier already holds step(s) {newer or [step]} of job {self.p.job!r}, as new as this "
@@ -464,6 +502,8 @@ class Uploader:
             log.info("incluster: the persistent tier's manifest of step %d (another timeline's) is removed before "
                      "this run's shards of it are written", step)
             self.tier.delete(f"{step_dir(self.p.job, step)}/{MANIFEST}")
+        if SET_ASIDE in listing:  # another timeline's copy was bad: not a verdict on this run's
+            self.tier.delete(f"{step_dir(self.p.job, step)}/{SET_ASIDE}")
 
     def _others_steps(self, steps: list[int]) -> list[int]:
         """Which of ``steps`` (older than the one opened) another run manifested: not this

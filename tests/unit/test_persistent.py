@@ -84,6 +84,56 @@ def test_a_corrupt_persistent_shard_falls_back_to_the_older_step_and_is_named_on
     assert notes and all(n.count(where) == 1 for n in notes), notes
 
 
+def _flip(root, step):
+    shard = os.path.join(root, "p", f"step-{step:012d}", "rank-00000.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def _restore_from_tier(local_dir, root, expect_step, expect_value, **kw):
+    shutil.rmtree(os.path.join(local_dir, "p"), ignore_errors=True)
+    target = _state(0.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root, **kw) as ck:
+        assert ck.load(target) == expect_step
+        assert torch.equal(target["w"], torch.full((5000,), expect_value))
+
+
+def _go_on(local_dir, root, loaded, saves):
+    """Load (``loaded`` expected), then save each (step, value), each uploaded."""
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1, persistent_keep=2) as ck:
+        assert ck.load(_state(0.0)) == loaded
+        for step, value in saves:
+            h = ck.save(step, _state(value))
+            h.wait()
+            h.persisted.result(60)
+
+
+def test_a_persistent_step_found_bad_is_set_aside_for_later_restores_and_retention(local_dir, tmp_path, caplog):
+    """The restore that finds step 4's shard bad marks it in the tier: the next restore
+    does not download it again, retention keeps usable steps only (a good one is never
+    pushed out by the bad one), and a run that saves step 4 again makes it usable."""
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(6), persistent_keep=2)  # steps 2 and 4 in the tier
+    _flip(root, 4)
+    _restore_from_tier(local_dir, root, 2, 2.0)
+    marker = os.path.join(root, "p", "step-000000000004", "SET_ASIDE.json")
+    assert "checksum mismatch" in json.load(open(marker))["why"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="incluster"):
+        _restore_from_tier(local_dir, root, 2, 2.0)
+    assert not [r for r in caplog.records if "checksum mismatch" in r.getMessage()]  # not downloaded again
+    _go_on(local_dir, root, 2, [(6, 6.0)])  # retention keeps 6 and 2, not 6 and the bad 4
+    _flip(root, 6)
+    _restore_from_tier(local_dir, root, 2, 2.0)
+    _go_on(local_dir, root, 2, [(4, 40.0)])  # step 4 saved again: its marker goes with its old manifest
+    assert not os.path.exists(marker)
+    _restore_from_tier(local_dir, root, 4, 40.0)
+
+
 def test_in_cluster_copy_is_preferred_when_as_new(local_dir, tmp_path):
     root = str(tmp_path / "persist")
     _run(local_dir, root, range(5))

@@ -387,6 +387,10 @@ def test_persistent_tier_is_listed_verified_and_exported(cluster: dict[str, str]
     os.truncate(d / "rank-00001.safetensors", 1000)  # ls sees a persistent shard of the wrong size too
     code, text = inproc(capsys, "ls", str(root))
     assert "every copy of rank 1 is damaged" in text and "rank-00001.safetensors: 1000 bytes on disk" in text, text
+    (d / "SET_ASIDE.json").write_text(json.dumps({"step": 10, "why": "rank 1's shard: checksum mismatch"}))
+    code, text = inproc(capsys, "ls", str(root))  # a restore set the step aside: named, with why
+    assert "set aside by a restore that found a copy bad (rank 1's shard: checksum mismatch)" in text, text
+    assert "damaged" not in text, text
 
 
 def test_missing_dir_and_unknown_step(local_dir: str, capsys: Any) -> None:

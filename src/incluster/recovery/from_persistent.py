@@ -29,17 +29,18 @@ Manifests = dict[int, tuple[dict[int, Any], int, lineage.Lineage]]  # step -> (r
 
 
 def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int, int]]) -> Manifests:
-    """Rank 0: every manifested step of tier 2 (not set aside), with its records, world
-    size and lineage (the restore's evidence of the timelines, newer steps or not). A
+    """Rank 0: every manifested step of tier 2, with its records, world size and lineage
+    (the restore's evidence of the timelines, newer steps or not; a step an earlier
+    restore set aside is evidence too, and goes into ``exclude``, never tried again). A
     tier that cannot be listed is passed over while the cluster's RAM has a complete step
     (``in_cluster``), and is a TierUnavailableError otherwise."""
     if ctx.persistent is None:
         return {}
-    from incluster.persist import MANIFEST, list_manifested, step_dir
+    from incluster.persist import MANIFEST, list_steps, step_dir
 
     try:
         # With a complete step in RAM a hung object store is not waited for long.
-        steps = list_manifested(ctx.persistent, ctx.job, None if in_cluster is None else LIST_TIMEOUT_S)
+        steps = list_steps(ctx.persistent, ctx.job, None if in_cluster is None else LIST_TIMEOUT_S)
     except TierUnavailableError as exc:
         if in_cluster is None:
             raise TierUnavailableError(
@@ -51,8 +52,13 @@ def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int
                     "persistent tier holds a newer one", exc, in_cluster)
         return {}
     out: Manifests = {}
-    for step in steps:
-        if ("<persistent>", -1, step) in exclude:
+    for step, usable in steps.items():
+        if not usable:  # set aside by an earlier restore: not tried, still evidence of its timeline
+            if ("<persistent>", -1, step) not in exclude:
+                log.info("incluster: persistent step %d was set aside by an earlier restore (a bad copy); passed "
+                         "over", step)
+            exclude.add(("<persistent>", -1, step))
+        elif ("<persistent>", -1, step) in exclude:
             continue
         try:
             manifest = json.loads(ctx.persistent.read(f"{step_dir(ctx.job, step)}/{MANIFEST}"))
@@ -211,6 +217,14 @@ def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[t
     except (OSError, ValueError, KeyError, CorruptCheckpointError) as exc:
         return _named(where, exc)
     return None
+
+
+def set_aside(ctx: Any, step: int, problem: str) -> None:
+    """A copy of persistent ``step`` was found bad: later restores pass over the step
+    (:func:`incluster.persist.set_aside`)."""
+    from incluster.persist import set_aside as mark
+
+    mark(ctx.persistent, ctx.job, step, problem)
 
 
 def _named(where: str, exc: BaseException) -> str:

@@ -36,7 +36,7 @@ from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpoi
 from incluster.format.checksum import core_share
 from incluster.recovery.equivalent import SIDECAR_BAD
 from incluster.recovery.forward import forward_sidecars
-from incluster.recovery.from_persistent import download, fetch_old_shards
+from incluster.recovery.from_persistent import download, fetch_old_shards, set_aside
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, gather_to_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.recovery.node import (
@@ -184,6 +184,7 @@ class _Run:
                     if problem is not None:
                         log.warning("incluster: %s; the persistent step is set aside", problem)
                         report.notes.append(problem)
+                        set_aside(ctx, mine.step, problem)
                     if self._collect([("<persistent>", -1, mine.step)] if problem else []):
                         continue
                 rs = Reshard(ctx, self.state, mine.step, maps_of(ctx, mine.world, shared), report)
@@ -202,6 +203,7 @@ class _Run:
                 if problem is not None:
                     log.warning("incluster: %s; the persistent step is set aside", problem)
                     report.notes.append(problem)
+                    set_aside(ctx, mine.step, problem)
                 elif self.loaded != mine.step and self.problem is None:
                     found = self._load_local(mine)
                     if any(b[0] == MESH for b in found):  # the next plan reshards the same step

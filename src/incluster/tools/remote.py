@@ -18,7 +18,7 @@ from incluster.format.checksum import verify
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.reader import ShardHeader, header_length, parse_header
 from incluster.format.sidecar import Sidecar
-from incluster.persist import MANIFEST, manifested_steps, step_dir
+from incluster.persist import MANIFEST, SET_ASIDE, list_steps, set_aside_reason, step_dir
 from incluster.tiers.persistent import FsspecTier
 from incluster.tools.models import Copy, Inventory, Note, size_damage
 
@@ -44,7 +44,7 @@ def scan_persistent(url: str, inv: Inventory) -> None:
     if not jobs:
         inv.notes.append(Note(url, "no persistent-tier job (<job>/step-N/ folders) found here"))
     for job in jobs:
-        manifested = set(manifested_steps(tier, job))
+        manifested = list_steps(tier, job)
         for name in tier.list(job):
             if not (m := _STEP_DIR.match(name)):
                 continue
@@ -52,6 +52,11 @@ def scan_persistent(url: str, inv: Inventory) -> None:
             d = step_dir(job, step)
             if step not in manifested:
                 inv.notes.append(Note(f"{tier.url}/{d}", "upload without a COMMITTED.json manifest (unfinished or failed; ignored)"))
+                continue
+            if not manifested[step]:
+                why = set_aside_reason(tier, job, step)
+                inv.notes.append(Note(f"{tier.url}/{d}", f"set aside by a restore that found a copy bad ({why}); "
+                                      f"restores pass over it (delete its {SET_ASIDE} to have it tried again)"))
                 continue
             _scan_remote_step(tier, job, step, d, inv)
 
