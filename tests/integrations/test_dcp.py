@@ -125,6 +125,29 @@ def test_load_dcp_names_what_does_not_match(tmp_path):
         load_dcp({"model": model()}, str(tmp_path / "absent"))
 
 
+def test_load_dcp_says_which_tensors_it_cast_and_warns_where_values_are_lost(tmp_path, caplog):
+    m = model()
+    path = str(tmp_path / "fp32")
+    dcp.save({"model": m}, checkpoint_id=path)
+    narrow = model(seed=5).to(torch.bfloat16)
+    with caplog.at_level("INFO", logger="incluster"):
+        load_dcp({"model": narrow}, path)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "load_dcp cast" in r.getMessage()]
+    assert warned and "float32 -> bfloat16" in warned[0] and "0.weight" in warned[0], warned
+    assert torch.equal(narrow[0].weight, m[0].weight.to(torch.bfloat16))  # DCP's cast, as loaded
+    caplog.clear()
+    half = str(tmp_path / "bf16")
+    dcp.save({"model": model(seed=2).to(torch.bfloat16)}, checkpoint_id=half)
+    with caplog.at_level("INFO", logger="incluster"):
+        load_dcp({"model": model(seed=6)}, half)  # bf16 into fp32: exact, said at INFO only
+    said = [r for r in caplog.records if "load_dcp cast" in r.getMessage()]
+    assert said and all(r.levelname == "INFO" and "exactly" in r.getMessage() for r in said), said
+    caplog.clear()
+    with caplog.at_level("INFO", logger="incluster"):
+        load_dcp({"model": model(seed=6)}, path)  # same dtypes: nothing said
+    assert not [r for r in caplog.records if "load_dcp cast" in r.getMessage()]
+
+
 def test_top_level_names_with_dots(tmp_path):
     """A flat model.state_dict() at the top level, as torchtitan and plain DCP users save."""
     m = model()

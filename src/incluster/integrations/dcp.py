@@ -16,17 +16,23 @@ It is collective when a process group is initialized (every rank calls it), as
   finds no ``exp_avg`` to load into and silently leaves the moments at zero);
 - refuses, naming the keys, a checkpoint that lacks something ``state`` holds, or holds
   a top-level entry ``state`` does not name (``strict=False`` loads what matches);
-- reads local paths and fsspec URLs (``s3://...``).
+- reads local paths and fsspec URLs (``s3://...``);
+- says which tensors it cast to the live state's dtype, and warns where the cast loses
+  values (a float32 checkpoint into a bfloat16 model): DCP casts without a word, while
+  incluster's own ``load`` refuses another dtype.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Mapping
 
 import torch
 
 from incluster.errors import CheckpointError, NoCheckpointError
+
+log = logging.getLogger("incluster")
 
 
 def _reader(path: str) -> Any:
@@ -74,6 +80,40 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
             if isinstance(node, dict) and path[-1] not in node:
                 size = getattr(item, "size", None)
                 node[path[-1]] = None if size is None else torch.empty(size, dtype=item.properties.dtype)
+
+
+def _noting_planner(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> Any:
+    """DCP's default load planner, noting each tensor whose saved dtype is not its live
+    tensor's (DCP copies, so casts, into the live tensor)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Noting(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            dest = super().resolve_tensor(read_item)
+            fqn = read_item.dest_index.fqn
+            stored = self.metadata.state_dict_metadata.get(fqn) if self.metadata is not None else None
+            saved = getattr(getattr(stored, "properties", None), "dtype", None)
+            if isinstance(saved, torch.dtype) and saved != dest.dtype:
+                casts[fqn] = (saved, dest.dtype)
+            return dest  # type: ignore[no-any-return]
+
+    return Noting()
+
+
+def _say_casts(path: str, casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> None:
+    if not casts:
+        return
+    lossy = sorted(k for k, (saved, live) in casts.items()
+                   if torch.promote_types(saved, live) != live or (saved.is_floating_point and not live.is_floating_point))
+    pairs = sorted({f"{str(a).removeprefix('torch.')} -> {str(b).removeprefix('torch.')}" for a, b in casts.values()})
+    if lossy:
+        log.warning("incluster: load_dcp cast %d tensor(s) of %s to the live state's dtypes (%s), losing precision "
+                    "or range in %d: %s%s. Load into a state of the saved dtypes (and cast after) to keep every value",
+                    len(casts), path, ", ".join(pairs), len(lossy), ", ".join(lossy[:5]),
+                    f" and {len(lossy) - 5} more" if len(lossy) > 5 else "")
+    else:
+        log.info("incluster: load_dcp cast %d tensor(s) of %s to the live state's wider dtypes (%s), exactly",
+                 len(casts), path, ", ".join(pairs))
 
 
 def _prepare_optimizers(state: Mapping[str, Any], keys: list[str]) -> None:
@@ -127,8 +167,10 @@ def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, stric
             raise CheckpointError(f"{path} holds none of the state's entries {sorted(state)} (it holds {sorted(tops)})")
     else:
         part = state
+    casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     try:
-        dcp.load(part, storage_reader=_reader(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+        dcp.load(part, storage_reader=_reader(path), planner=_noting_planner(casts),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
     except (RuntimeError, CheckpointException) as exc:  # name what does not match
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         why = lines[-1] if lines else type(exc).__name__  # DCP wraps the cause in every rank's traceback
@@ -142,6 +184,7 @@ def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, stric
             f"loading the DCP checkpoint {path} into this state failed: {why.rstrip('.')}. Its entries are "
             f"{sorted(tops)}; load with the same structure it was saved with.{hint}"
         ) from exc
+    _say_casts(path, casts)
     if part is not state:
         state.update(part)
     return step
