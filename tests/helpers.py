@@ -57,3 +57,18 @@ def flip_byte(path: str, at: int | None = None) -> None:
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+def shard_bytes(tensors: dict[str, torch.Tensor]) -> tuple[bytes, Any]:
+    """A shard file's bytes for ``tensors`` (header and data, as the writer lays them out),
+    and their flattened state."""
+    from incluster.format.layout import build_layout
+    from incluster.state import flatten
+
+    flat = flatten(tensors)
+    layout = build_layout(flat.specs)
+    body = bytearray(layout.total_size)
+    body[: layout.data_start] = layout.header
+    for e, t in zip(layout.entries, flat.tensors):
+        body[e.offset : e.offset + e.nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(body), flat

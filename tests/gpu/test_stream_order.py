@@ -21,18 +21,10 @@ from incluster.recovery.landing import Landing, direct_targets, read_verified, s
 from incluster.staging import device_snapshot
 from incluster.state import flatten
 
+from helpers import shard_bytes
+
 pytestmark = pytest.mark.gpu
 DELAY = int(4e8)  # GPU clock cycles (~0.2 s)
-
-
-def _shard(tensors: dict[str, torch.Tensor]) -> tuple[bytes, object]:
-    flat = flatten(tensors)
-    layout = build_layout(flat.specs)
-    body = bytearray(layout.total_size)
-    body[: layout.data_start] = layout.header
-    for e, t in zip(layout.entries, flat.tensors):
-        body[e.offset : e.offset + e.nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return bytes(body), flat
 
 
 def test_a_restore_lands_after_work_queued_before_it(tmp_path):
@@ -40,7 +32,7 @@ def test_a_restore_lands_after_work_queued_before_it(tmp_path):
     into) is queued on the compute stream just before the restore: its writes must not
     land after the restored bytes."""
     saved = {"a": torch.randn(3_000_000), "b": torch.randn(1000)}
-    data, flat = _shard(saved)
+    data, flat = shard_bytes(saved)
     path = tmp_path / "shard"
     path.write_bytes(data)
     live = {k: torch.zeros_like(v, device="cuda") for k, v in saved.items()}

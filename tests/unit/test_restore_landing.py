@@ -12,15 +12,13 @@ import torch
 import incluster
 from incluster.errors import CorruptCheckpointError, NoCheckpointError
 from incluster.format.checksum import ChunkVerifier, compute
-from incluster.format.layout import build_layout
 from incluster.format.reader import parse_header
 from incluster.recovery.gather import gather_to_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.staging.slots import step_file
-from incluster.state import flatten
 from incluster.state_load import live_targets, load_into
 
-from helpers import tiny_model, train
+from helpers import shard_bytes, tiny_model, train
 
 
 def _pieces(data: bytes, rng: random.Random) -> list[bytes]:
@@ -55,18 +53,8 @@ def test_chunk_verifier_accepts_any_cut_and_names_the_bad_chunk():
     v.finish(4000)
 
 
-def _shard(tensors: dict[str, torch.Tensor]) -> tuple[bytes, object]:
-    flat = flatten(tensors)
-    layout = build_layout(flat.specs)
-    body = bytearray(layout.total_size)
-    body[: layout.data_start] = layout.header
-    for e, t in zip(layout.entries, flat.tensors):
-        body[e.offset : e.offset + e.nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return bytes(body), flat
-
-
 def test_segments_cover_the_file_in_order():
-    data, _ = _shard({"a": torch.randn(100_000), "b": torch.ones(3), "c": torch.zeros(2), "d": torch.randn(70_000)})
+    data, _ = shard_bytes({"a": torch.randn(100_000), "b": torch.ones(3), "c": torch.zeros(2), "d": torch.randn(70_000)})
     header = parse_header(data, len(data))
     for big in (1, 256 * 1024):
         segs = segments(header, big)
@@ -88,7 +76,7 @@ def test_direct_targets_skip_what_cannot_take_raw_bytes():
         "ov2": base[100:],
     }
     saved = {k: torch.ones(v.shape) for k, v in live.items()}
-    data, flat = _shard(saved)
+    data, flat = shard_bytes(saved)
     header = parse_header(data, len(data))
     targets = direct_targets(live, flat.tree, header, allow_pickle=False, big=1)
     assert set(targets) == {"plain"}
@@ -100,7 +88,7 @@ def test_a_live_tensor_of_another_dtype_or_shape_is_refused_before_anything_land
     from incluster.errors import CheckpointError
 
     saved = {"a": torch.ones(100), "b": torch.ones(100)}
-    data, flat = _shard(saved)
+    data, flat = shard_bytes(saved)
     header = parse_header(data, len(data))
     for live, says in (({"a": torch.zeros(100), "b": torch.zeros(100, dtype=torch.float64)}, "torch.float64"),
                        ({"a": torch.zeros(100), "b": torch.zeros(50)}, r"shape \(100,\)")):
@@ -114,7 +102,7 @@ def test_placed_tensors_are_not_copied_again_and_the_rest_is_fetched(tmp_path):
     o = torch.optim.AdamW(m.parameters(), lr=1e-2)
     train(m, o, 2)
     state = {"model": m, "optim": o, "extra": {"n": 7}}
-    data, flat = _shard(state)
+    data, flat = shard_bytes(state)
     path = tmp_path / "shard"
     path.write_bytes(data)
     m2 = tiny_model(3)
@@ -207,12 +195,12 @@ def test_bounce_pipeline_lands_bitwise_and_finds_a_bad_byte(tmp_path, monkeypatc
     monkeypatch.setattr(dl, "BOUNCE", 3000)
     monkeypatch.setattr(dl, "_pools", {})
     saved = {"a": torch.randn(50_000), "b": torch.randn(7), "c": torch.randn(30_001)}
-    data, flat = _shard(saved)
+    data, flat = shard_bytes(saved)
     if corrupt:
         data = bytearray(data)
         data[-5000] ^= 0x40
         data = bytes(data)
-        expected = compute(_shard(saved)[0], chunk=8192)
+        expected = compute(shard_bytes(saved)[0], chunk=8192)
     else:
         expected = compute(data, chunk=8192)
     path = tmp_path / "shard"
@@ -251,7 +239,7 @@ def test_bounce_pool_grows_only_as_readers_need_buffers(tmp_path, monkeypatch):
     monkeypatch.setattr(dl, "BOUNCE", 4096)
     monkeypatch.setattr(dl, "_pools", {})
     saved = {"a": torch.randn(40_000), "b": torch.randn(9_000)}
-    data, flat = _shard(saved)
+    data, flat = shard_bytes(saved)
     expected = compute(data, chunk=1 << 16)
     path = tmp_path / "shard"
     path.write_bytes(data)
