@@ -271,19 +271,27 @@ class Checkpointer(SavePipeline, LoadPipeline):
         return self._writer.pid
 
     # -- saving -----------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], *, persist: bool | None = None) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns once the state may be used again
         by forward/backward. Tensors may not be mutated until ``handle.staged`` (the
-        optimizer pre-step hook waits for it automatically)."""
+        optimizer pre-step hook waits for it automatically). ``persist``: True uploads
+        this step to the persistent tier whatever its schedule (after an upload still
+        running, never skipped for it: the run's last step, say), False never; None
+        follows ``persistent_every``/``persistent_interval_s``. Every rank passes the same."""
         t0 = time.perf_counter()
         with self._api:
-            return self._save(step, state, t0)
+            return self._save(step, state, t0, persist)
 
-    def _save(self, step: int, state: Mapping[str, Any], t0: float) -> SaveHandle:
+    def _save(self, step: int, state: Mapping[str, Any], t0: float, persist: bool | None = None) -> SaveHandle:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int (got {step!r})")
+        if persist is not None and not isinstance(persist, bool):
+            raise ValueError(f"persist must be True, False or None (got {persist!r})")
+        if persist and self.config.persistent is None:
+            raise ValueError(f"save({step}, persist=True) needs a persistent tier: pass persistent=<path or URL> "
+                             f"to the Checkpointer (or set INCLUSTER_PERSISTENT)")
         ordinal, self._saves = self._saves, self._saves + 1  # counted even if it fails: alike on every rank
         prev = self._last_step
         try:
@@ -319,7 +327,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._highest = max(self._highest, step)
         self._last_step = step
         job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal, prev=prev, timeline=self._loads,
-                       lineage=self._lineage)
+                       lineage=self._lineage, persist=persist)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from incluster.staging import cuda
 

@@ -1,7 +1,7 @@
 """Uploads to the persistent tier, in the writer, never in the trainer's way.
 
-Layout: ``<persistent>/<job>/step-SSSSSSSSSSSS/rank-RRRRR.{safetensors,json}`` and
-``COMMITTED.json``, the manifest: every rank's shard size and checksums. Each rank
+Layout (:mod:`incluster.tier_layout`): ``<persistent>/<job>/step-SSSSSSSSSSSS/rank-RRRRR.
+{safetensors,json}`` and ``COMMITTED.json``, the manifest. Each rank
 uploads its shard straight from the mapped slot (streamed in chunks), then records it in
 the job store (``pr/N/<rank>`` and a count ``p/N``); the rank completing the count
 writes the manifest, sets the outcome ``po/N`` and applies retention (newest K manifested
@@ -9,7 +9,8 @@ steps kept, anything older deleted). Readers trust a step only if its manifest e
 
 One upload at a time per rank: a persistent save that is due while the previous upload
 still runs is skipped and counted (and published, so no rank waits for it); uploads are
-never queued without bound. Transient errors are retried with backoff; a permanent one
+never queued without bound. A ``save(persist=True)`` is the exception the caller asked
+for: it waits for the upload that runs (scheduled ones are skipped meanwhile). Transient errors are retried with backoff; a permanent one
 fails that step's upload and is reported, while training and in-cluster saves go on.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
 import threading
 import time
@@ -24,20 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from incluster.commit import Coordinator
-from incluster.errors import CheckpointError, TierUnavailableError
+from incluster.errors import CheckpointError
 from incluster.testing import faults
+from incluster.tier_layout import STEP_FOLDER, MANIFEST, SET_ASIDE, manifested_steps, step_dir
 from incluster.tiers.persistent import open_tier
 
 log = logging.getLogger("incluster")
 NOT_DUE = "skipped: not due (persistent_interval_s)"
 CANCELLED = "cancelled: close() ended the upload"
-MANIFEST = "COMMITTED.json"
-SET_ASIDE = "SET_ASIDE.json"  # a restore found a copy of the step bad: passed over, never counted by retention
-_STEP = re.compile(r"^step-(\d{12,})$")
-
-
-def step_dir(job: str, step: int) -> str:
-    return f"{job}/step-{step:012d}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,84 +51,6 @@ class PersistParams:
     retries: int = 3
     timeout_s: float = 600.0
     run: str = ""  # rank 0's process's run id (commit.process_run), in the manifests: this run's own steps
-
-
-def manifested_steps(tier: Any, job: str) -> list[int]:
-    """Steps with a manifest, newest first; an unreachable tier has none (and says so)."""
-    try:
-        return list_manifested(tier, job)
-    except TierUnavailableError as exc:
-        log.warning("incluster: %s; its steps are not considered", exc)
-        return []
-
-
-def list_manifested(tier: Any, job: str, timeout: float | None = None) -> list[int]:
-    """Steps with a manifest and not set aside (:func:`set_aside`), newest first. Raises
-    TierUnavailableError when the tier cannot be listed, or (``timeout``) does not answer
-    in time: a hung object store is left listing on a thread of its own."""
-    return [s for s, usable in list_steps(tier, job, timeout).items() if usable]
-
-
-def list_steps(tier: Any, job: str, timeout: float | None = None) -> dict[int, bool]:
-    """Every manifested step, newest first, and whether it is usable (not set aside); as
-    :func:`list_manifested`."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out = {}
-            for name in tier.list(job):
-                m = _STEP.match(name)
-                if m and MANIFEST in (names := tier.list(f"{job}/{name}")):
-                    out[int(m.group(1))] = SET_ASIDE not in names
-            box["steps"] = dict(sorted(out.items(), reverse=True))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["error"] = exc
-
-    if timeout is None:
-        run()
-    else:
-        t = threading.Thread(target=run, name="incluster-persist-list", daemon=True)
-        t.start()
-        t.join(timeout)
-        if t.is_alive():
-            raise TierUnavailableError(f"the persistent tier {tier!r} did not answer a listing within {timeout:.0f} s")
-    exc = box.get("error")
-    if isinstance(exc, OSError):
-        raise TierUnavailableError(f"the persistent tier {tier!r} cannot be listed ({exc})") from exc
-    if exc is not None:
-        raise exc
-    return box["steps"]  # type: ignore[no-any-return]
-
-
-def set_aside(tier: Any, job: str, step: int, why: str) -> None:
-    """Mark a manifested step whose copy a restore found bad (a checksum that does not
-    match, a shard missing or cut short): later restores pass over it without downloading
-    it again, and retention counts only usable steps, so it never pushes a good one out.
-    The shards stay for inspection (``incluster verify``) until retention reaches them;
-    deleting the marker has the step tried again. Best effort: a tier that refuses the
-    write is logged, the restore goes on."""
-    path = f"{step_dir(job, step)}/{SET_ASIDE}"
-    body = json.dumps({"step": step, "why": why, "time": time.time()}).encode()
-    try:
-        tier.write(path, memoryview(body))
-    except OSError as exc:
-        log.warning("incluster: could not mark persistent step %d as set aside (%s); later restores will try it "
-                    "again", step, exc)
-        return
-    log.warning("incluster: persistent step %d set aside (%s/%s written): later restores pass over it; delete "
-                "that file to have it tried again", step, getattr(tier, "url", tier), path)
-
-
-def set_aside_reason(tier: Any, job: str, step: int) -> str | None:
-    """Why a step was set aside, or None if it was not (or the marker cannot be read)."""
-    try:
-        data = tier.read(f"{step_dir(job, step)}/{SET_ASIDE}")
-        return str(json.loads(bytes(data)).get("why", "no reason recorded"))  # type: ignore[arg-type]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, AttributeError):
-        return "its marker cannot be read"
 
 
 def fix_for(error: str, folder: str | None = None) -> str:
@@ -219,6 +137,11 @@ class Uploader:
         # for none (a report sent after close() would be lost, an upload reads its slot).
         self._active = 0
         self._idle = threading.Condition(self._fate)
+        # save(persist=True) uploads waiting for the one that runs, in order, on one thread;
+        # while any waits, a scheduled upload is skipped as if one ran (uploads stay in step order).
+        self._forced: "queue.Queue[Callable[[], None]] | None" = None
+        self._forced_waiting = 0
+        self._forced_keys: set[tuple[int, int]] = set()  # (timeline, step) of those, for cancel()'s words
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
@@ -232,10 +155,14 @@ class Uploader:
         return True
 
     def start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None],
-              timeline: int = 0) -> bool:
+              timeline: int = 0, forced: bool = False) -> bool:
         """Upload in the background; False (skipped) if the previous upload still runs.
         With ``interval_s``, first learn (in the background) whether this step is due.
-        ``timeline``: load() calls before the save (its keys in the job store)."""
+        ``timeline``: load() calls before the save (its keys in the job store).
+        ``forced`` (``save(persist=True)``): uploaded after the upload that still runs,
+        never skipped for it, and without a time-based decision."""
+        if forced:
+            return self._start_forced(step, sidecar, buf, size, done, timeline)
         if self.p.interval_s is None:
             return self._start(step, sidecar, buf, size, done, timeline)
 
@@ -264,6 +191,46 @@ class Uploader:
 
         threading.Thread(target=decide_then_start, name=f"incluster-persist-due-{step}", daemon=True).start()
         return True
+
+    def _start_forced(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None],
+                      timeline: int) -> bool:
+        """Queue the upload behind the one that runs (reported by cancel() if close() comes
+        first). Every rank was asked alike, so every rank uploads its shard of it."""
+        with self._fate:
+            if self._closed:
+                return False
+            self._deciding[(timeline, step)] = done
+            self._forced_keys.add((timeline, step))
+            self._active += 1
+            self._forced_waiting += 1
+            if self._forced is None:
+                self._forced = queue.Queue()
+                threading.Thread(target=self._run_forced, args=(self._forced,), name="incluster-persist-forced",
+                                 daemon=True).start()
+            waiting = self.uploading
+        if waiting is not None:
+            log.info("incluster: rank %d: the persistent save of step %d (persist=True) waits for the upload of step "
+                     "%d to end", self.p.rank, step, waiting)
+
+        def wait_then_start() -> None:
+            try:
+                while not self._busy.acquire(timeout=0.5):
+                    with self._fate:
+                        if (timeline, step) not in self._deciding:  # cancel() reported it
+                            return
+                self._start(step, sidecar, buf, size, done, timeline, deciding=True, acquired=True)
+            finally:
+                with self._fate:
+                    self._forced_waiting -= 1
+                    self._forced_keys.discard((timeline, step))
+
+        self._forced.put(wait_then_start)
+        return True
+
+    @staticmethod
+    def _run_forced(jobs: "queue.Queue[Callable[[], None]]") -> None:
+        while True:
+            jobs.get()()
 
     def _report(self, done: Callable[[str | None], None] | None, why: str | None) -> None:
         """Tell a step's outcome (``done`` None: told already), then count it as no longer active."""
@@ -320,10 +287,13 @@ class Uploader:
             pass
 
     def _start(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None],
-               timeline: int, deciding: bool = False) -> bool:
-        """Start the upload; False if the previous one still runs (reported here if the
-        step was ``deciding``, else by the caller). Nothing starts after cancel()."""
-        if not self._busy.acquire(blocking=False):
+               timeline: int, deciding: bool = False, acquired: bool = False) -> bool:
+        """Start the upload; False if the previous one still runs, or a forced one waits
+        for it (reported here if the step was ``deciding``, else by the caller). Nothing
+        starts after cancel(). ``acquired``: the caller holds the upload lock already."""
+        with self._fate:
+            queued = self._forced_waiting > 0 and not acquired
+        if not acquired and (queued or not self._busy.acquire(blocking=False)):
             with self._fate:
                 mine = not deciding or self._deciding.pop((timeline, step), None) is not None
             if not mine:  # cancel() reported it
@@ -475,7 +445,7 @@ class Uploader:
         not list); retention never counts them, and deletes them once they are older than
         the steps it keeps."""
         names = self.tier.list(self.p.job)
-        steps = {int(m.group(1)) for m in map(_STEP.match, names) if m}
+        steps = {int(m.group(1)) for m in map(STEP_FOLDER.match, names) if m}
         newer = sorted(s for s in steps if s > step)
         listing = self.tier.list(step_dir(self.p.job, step)) if step in steps else []
         here = MANIFEST in listing
@@ -527,7 +497,7 @@ class Uploader:
         if not kept:
             return
         for name in self.tier.list(self.p.job):
-            m = _STEP.match(name)
+            m = STEP_FOLDER.match(name)
             if m and int(m.group(1)) < min(kept):
                 self.tier.delete(f"{self.p.job}/{name}")
 
@@ -549,8 +519,10 @@ class Uploader:
         for (later_timeline, later), told in sorted(undecided.items()):
             self._undecided(later, later_timeline)
             self._publish_failure(later, CANCELLED, later_timeline)
-            undecided_why = (f"close() came before rank 0's clock said whether step {later} was due "
-                             f"(persistent_interval_s): it is not in the persistent tier")
+            undecided_why = (f"close() came while step {later} (persist=True) waited for the upload before it to "
+                             f"end: it is not in the persistent tier" if (later_timeline, later) in self._forced_keys
+                             else f"close() came before rank 0's clock said whether step {later} was due "
+                                  f"(persistent_interval_s): it is not in the persistent tier")
             self._report(told, undecided_why)
         if not running or step is None:
             return undecided_why

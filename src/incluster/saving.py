@@ -118,6 +118,7 @@ class SavePipeline:
                 drain=job.drain,
                 loaded=self._loaded,
                 lineage=job.lineage,
+                persist=job.persist,
             )
         except BaseException as exc:  # noqa: BLE001 - reported through the futures
             self._fail(job, handle, exc, "staging")

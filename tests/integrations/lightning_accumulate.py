@@ -1,6 +1,6 @@
 """One process, the callback's bookkeeping (run by test_lightning.py).
 
-    lightning_accumulate.py OUT_JSON
+    lightning_accumulate.py OUT_JSON PERSISTENT_DIR
 
 - Gradient accumulation: fit to step 6 saving every 3 steps, then fit again with
   ``ckpt_path="incluster"`` to step 9. A resumed run's first batch does not step (it
@@ -18,6 +18,8 @@
   of three resumes there and stops after a mid-epoch save (an exception, as a crash); the
   next fit resumes mid-epoch, at the batch after that save, not at its epoch's start. A fit
   of that job without ``ckpt_path`` is refused before it trains.
+- A persistent tier whose schedule uploads only the first save: the fit's last step is
+  uploaded too.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ class Crash(pl.Callback):
 
 def fit(max_steps: int, ckpt_path: str | None, job: str = "accumulate", every: int = 3, save_last: bool = True,
         max_epochs: int | None = None, accumulate: int = 2, crash_at: int | None = None,
-        **data: object) -> list[object]:
-    strategy = InclusterDDPStrategy(checkpointer=dict(job=job, writer="thread"))
+        ck: dict[str, object] | None = None, **data: object) -> list[object]:
+    strategy = InclusterDDPStrategy(checkpointer=dict(job=job, writer="thread", **(ck or {})))
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, max_epochs=max_epochs,
         accumulate_grad_batches=accumulate, reload_dataloaders_every_n_epochs=1 if data.get("grow") else 0,
@@ -117,6 +119,8 @@ def main() -> None:
     res["epochs_crash"] = fit(-1, INCLUSTER, "epochs", crash_at=30, **epochs)  # 30: 14 batches into epoch 1
     res["epochs_resumed"] = fit(-1, INCLUSTER, "epochs", **epochs)
     res["epochs_behind"] = fit(-1, None, "epochs", **epochs)  # no ckpt_path: its first save would be refused
+    # With a persistent tier uploading only the run's first save (3), the fit's last (10) goes there too
+    res["tiered"] = fit(10, None, "tiered", ck=dict(persistent=sys.argv[2], persistent_every=100))
     with open(sys.argv[1], "w") as f:
         json.dump(res, f)
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort it

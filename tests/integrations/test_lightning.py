@@ -99,8 +99,9 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
     out = str(tmp_path / "acc.json")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", LOCAL_RANK="0",
                NODE_RANK="0", INCLUSTER_LOCAL_DIR=local_dir, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lightning_accumulate.py"), out],
-                          env=env, capture_output=True, text=True, timeout=280)
+    tier = str(tmp_path / "tier")
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lightning_accumulate.py"), out,
+                           tier], env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.load(open(out))
     steps = {k: v[:2] for k, v in res.items() if v[0] != "refused"}
@@ -125,3 +126,6 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
     refused, why = res["epochs_behind"]  # refused before training (it used to train 6 steps, then fail to save)
     assert refused == "refused" and "already holds step 48, and this fit starts at step 0" in why, why
     assert 'Pass trainer.fit(..., ckpt_path="incluster")' in why
+    assert res["tiered"][0] == 10  # the fit's last step reaches the persistent tier whatever its schedule
+    assert sorted(os.listdir(os.path.join(tier, "tiered"))) == ["step-000000000003", "step-000000000010"]
+    assert os.path.exists(os.path.join(tier, "tiered", "step-000000000010", "COMMITTED.json"))

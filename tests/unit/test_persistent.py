@@ -217,6 +217,67 @@ def test_a_persistent_save_due_while_the_previous_uploads_is_skipped(local_dir, 
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
+def test_save_persist_true_uploads_off_schedule_and_false_never(local_dir, tmp_path, writer):
+    root = str(tmp_path / "persist")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer=writer, persistent=root,
+                                persistent_every=100) as ck:
+        handles = [ck.save(0, _state(0.0), persist=False),  # due by the schedule (the run's first save)
+                   ck.save(1, _state(1.0)),  # not due
+                   ck.save(2, _state(2.0), persist=True)]  # not due, asked for
+        assert [h.wait() or h.persisted.result(30) for h in handles] == [False, False, True]
+    assert _manifests(root) == ["step-000000000002"]
+    with incluster.Checkpointer(local_dir=local_dir, job="q", writer="thread") as ck:
+        with pytest.raises(ValueError, match=r"persist=True\) needs a persistent tier: pass persistent="):
+            ck.save(1, _state(1.0), persist=True)
+
+
+def _slow_tier_writes(monkeypatch, seconds):
+    from incluster.tiers.persistent import FsspecTier
+
+    slow = FsspecTier.write
+
+    def write(self, path, data, **kw):
+        time.sleep(seconds)
+        return slow(self, path, data, **kw)
+
+    monkeypatch.setattr(FsspecTier, "write", write)
+
+
+def test_save_persist_true_waits_for_the_upload_before_it_and_scheduled_ones_skip_meanwhile(local_dir, tmp_path,
+                                                                                           monkeypatch):
+    _slow_tier_writes(monkeypatch, 0.3)
+    root = str(tmp_path / "persist")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1, persistent_keep=3) as ck:
+        first = ck.save(0, _state(0.0))
+        first.wait()
+        last = ck.save(1, _state(1.0), persist=True)  # while step 0 uploads: waits for it, never skipped
+        last.wait()
+        between = ck.save(2, _state(2.0))  # due, while step 1 waits: skipped (uploads stay in step order)
+        between.wait()
+        assert between.persisted.result(30) is False
+        assert first.persisted.result(30) is True and last.persisted.result(30) is True
+    assert _manifests(root) == ["step-000000000000", "step-000000000001"]
+
+
+def test_close_reports_a_forced_upload_still_waiting_as_not_persisted(local_dir, tmp_path, monkeypatch):
+    _slow_tier_writes(monkeypatch, 1.0)
+    root = str(tmp_path / "persist")
+    ck = incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1, slot_timeout_s=1.0)
+    ck.save(0, _state(0.0)).wait()
+    last = ck.save(1, _state(1.0), persist=True)
+    last.wait()
+    t0 = time.monotonic()
+    ck.close()
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(incluster.TierUnavailableError, match="step 1 \\(persist=True\\) waited for the upload"):
+        last.persisted.result(10)
+    time.sleep(3)  # the upload close() gave up on ends: it must not start step 1's after all
+    assert "step-000000000001" not in _manifests(root)
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
 def test_a_step_saved_again_after_a_load_gets_its_own_upload_word(local_dir, tmp_path, writer):
     """Step 4 is still uploading when a load() goes back to step 2 and step 4 is saved
     again: that save's upload is skipped (the old one runs). Keyed by step alone, the

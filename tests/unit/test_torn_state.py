@@ -160,8 +160,8 @@ def test_time_the_optimizer_waits_for_staging_is_counted_as_save_cost(local_dir,
     with incluster.Checkpointer(local_dir=local_dir, job="torn", writer="thread", run_dir=run) as ck:
         _grads(m)
         o.step()
+        _grads(m)  # before save(): a slow backward on a loaded machine must not eat the wait
         h = ck.save(1, {"model": m, "optim": o})
-        _grads(m)
         o.step()  # waits ~0.3 s for the late staging
         h.wait()
     events = [json.loads(x) for f in run.iterdir() for x in f.read_text().splitlines()]

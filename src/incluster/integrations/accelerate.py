@@ -136,8 +136,10 @@ class AcceleratorCheckpoint:
         st["rng"] = self._rng
         return st
 
-    def save(self, step: int) -> Any:
-        """Start saving everything as ``step``; returns the ``SaveHandle`` at once."""
+    def save(self, step: int, *, persist: bool | None = None) -> Any:
+        """Start saving everything as ``step``; returns the ``SaveHandle`` at once.
+        ``persist``: as ``Checkpointer.save`` (True for the run's last step puts it in the
+        persistent tier whatever the schedule)."""
         if not getattr(self.accelerator, "sync_gradients", True):
             self._warn("accumulating", (
                 f"step {step} is saved in the middle of gradient accumulation (accelerator.sync_gradients is "
@@ -149,7 +151,7 @@ class AcceleratorCheckpoint:
                 f"step {step} is saved without a data position: the loop does not iterate "
                 f"AcceleratorCheckpoint.batches(loader, epoch), so a resumed run starts its epochs over; "
                 f"iterate batches() (see the module's loop)"))
-        return self.checkpointer.save(step, self.state())
+        return self.checkpointer.save(step, self.state(), persist=persist)
 
     def _warn(self, kind: str, text: str) -> None:
         if kind not in self._warned:

@@ -6,7 +6,8 @@
   ``incluster.Checkpointer`` on every rank for the path ``"incluster"`` (see
   ``lightning_strategy``); other paths behave as before.
 - ``InclusterCheckpoint(every_n_steps=N)``: a callback that saves after every Nth optimizer
-  step and after the fit's last one, keeps each rank's random number generators in the
+  step and after the fit's last one (which also goes to the persistent tier, if there is
+  one, whatever its schedule), keeps each rank's random number generators in the
   checkpoint, and refuses a mid-epoch resume whose resumable loader has another batch size.
 
 Lightning's loops (epoch, global step, batch progress, a stateful dataloader's position),
@@ -70,10 +71,12 @@ class _CheckpointHooks:
         # last step is saved here too, not in on_train_end: by then a fit that stopped at
         # max_steps mid-epoch has marked the epoch done, and a resume would skip its rest.
         step = trainer.global_step
-        due = step % self.every_n_steps == 0 or (self.save_last and _ends_fit(trainer))
-        if step > 0 and due and step != self._last_saved:
+        last = self.save_last and _ends_fit(trainer)
+        if step > 0 and (step % self.every_n_steps == 0 or last) and step != self._last_saved:
             self._last_saved = step
-            trainer.strategy.incluster_save(trainer, step)
+            # The fit's last step outlives the job's nodes only in the persistent tier: it goes there too.
+            tier = trainer.strategy.incluster.config.persistent is not None
+            trainer.strategy.incluster_save(trainer, step, persist=True if last and tier else None)
 
     def state_dict(self) -> dict[str, Any]:
         # Lightning's own checkpoint keeps no RNG state (and its file holds rank 0's only);

@@ -146,26 +146,28 @@ class InclusterStrategyMixin:
         return super().optimizer_state(optimizer)  # type: ignore[misc]
 
     # -- save ------------------------------------------------------------------------------
-    def incluster_save(self, trainer: Any, step: int | None = None) -> SaveHandle:
+    def incluster_save(self, trainer: Any, step: int | None = None, persist: bool | None = None) -> SaveHandle:
         """Save the trainer's full state as ``step`` (default: ``trainer.global_step``).
-        Every rank calls it at the same point; returns in about a millisecond."""
+        Every rank calls it at the same point; returns in about a millisecond. ``persist``:
+        as ``Checkpointer.save``."""
         self._incluster_dumping = True
         try:
             # Not trainer.save_checkpoint(): that ends with a barrier (a host sync on NCCL).
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self._incluster_dumping = False
-        return self._incluster_save_dict(checkpoint, step)
+        return self._incluster_save_dict(checkpoint, step, persist)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if str(filepath) != INCLUSTER:
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc,no-any-return]
         self._incluster_save_dict(checkpoint, None)
 
-    def _incluster_save_dict(self, checkpoint: Mapping[str, Any], step: int | None) -> SaveHandle:
+    def _incluster_save_dict(self, checkpoint: Mapping[str, Any], step: int | None,
+                             persist: bool | None = None) -> SaveHandle:
         model, optimizers = self._incluster_parts()
         state = ls.to_state(checkpoint, model, optimizers)
-        handle = self.incluster.save(int(checkpoint["global_step"] if step is None else step), state)
+        handle = self.incluster.save(int(checkpoint["global_step"] if step is None else step), state, persist=persist)
         self.incluster_last_save = handle
         return handle
 

@@ -150,7 +150,9 @@ class InclusterCheckpointManager(CheckpointManager):
             return False
         if curr_step == 0:
             return bool(super()._save(curr_step, last_step))  # a seed checkpoint: DCP, for other jobs
-        self.last_save = self.incluster.save(curr_step, incluster_states(self.states))
+        # The run's last step outlives the job's nodes only in the persistent tier: it goes there too.
+        persist = True if last_step and self.incluster.config.persistent is not None else None
+        self.last_save = self.incluster.save(curr_step, incluster_states(self.states), persist=persist)
         if last_step and self.last_save_model_only:
             # torchtitan's final artifact (model only, export_dtype, DCP or HF safetensors);
             # the full state of the last step is in incluster for a run that goes on.

@@ -175,7 +175,10 @@ class InclusterTrainerMixin:
                                   "use transformers.Trainer for hyperparameter_search()")
         t.store_flos()
         self._ic_record_callbacks()
-        self.incluster_handle = self.checkpointer.save(t.state.global_step, self._ic_state())
+        # The run's last step outlives the job's nodes only in the persistent tier: it goes there too.
+        last = 0 < t.state.max_steps <= t.state.global_step and self.checkpointer.config.persistent is not None
+        self.incluster_handle = self.checkpointer.save(t.state.global_step, self._ic_state(),
+                                                       persist=True if last else None)
 
     def _ic_record_callbacks(self) -> None:
         """What ``Trainer._save_checkpoint`` does before writing ``trainer_state.json``."""

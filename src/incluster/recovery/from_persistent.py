@@ -36,7 +36,7 @@ def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int
     (``in_cluster``), and is a TierUnavailableError otherwise."""
     if ctx.persistent is None:
         return {}
-    from incluster.persist import MANIFEST, list_steps, step_dir
+    from incluster.tier_layout import MANIFEST, list_steps, step_dir
 
     try:
         # With a complete step in RAM a hung object store is not waited for long.
@@ -130,7 +130,7 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: 
 
     from incluster.format.checksum import Checksum, verify
     from incluster.format.sidecar import write_sidecar
-    from incluster.persist import step_dir
+    from incluster.tier_layout import step_dir
     from incluster.staging.slots import sidecar_file, step_file
     from incluster.tiers.local import rank_folder
     from incluster.writer.local_commit import parse_received_sidecar
@@ -189,7 +189,7 @@ def _tier_read(ctx: Any, path: str, where: str, **kw: Any) -> Any:
 def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[type-arg]
     """Fetch my shard of ``step`` from tier 2 into one of my slots, verify, commit (heal)."""
     from incluster.format.checksum import Checksum
-    from incluster.persist import step_dir
+    from incluster.tier_layout import step_dir
     from incluster.writer.local_commit import commit_received, parse_received_sidecar
 
     base = f"{step_dir(ctx.job, step)}/rank-{ctx.rank:05d}"
@@ -221,8 +221,8 @@ def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[t
 
 def set_aside(ctx: Any, step: int, problem: str) -> None:
     """A copy of persistent ``step`` was found bad: later restores pass over the step
-    (:func:`incluster.persist.set_aside`)."""
-    from incluster.persist import set_aside as mark
+    (:func:`incluster.tier_layout.set_aside`)."""
+    from incluster.tier_layout import set_aside as mark
 
     mark(ctx.persistent, ctx.job, step, problem)
 

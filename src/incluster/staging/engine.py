@@ -56,6 +56,7 @@ class StageJob:
     prev: int = -1  # the step of this rank's previous save() call (CommitRequest.prev)
     timeline: int = 0  # load() calls before it (CommitRequest.timeline)
     lineage: tuple[int, int, int] = (0, 0, -1)  # CommitRequest.lineage
+    persist: bool | None = None  # save(persist=): CommitRequest.persist
     digests: list[str] | tuple[str, ...] | None = None  # the shard's chunk digests, if hashed here
     drain: tuple[int, int, tuple[tuple[int, int], ...]] | None = None  # left to the writer (CommitRequest.drain)
 

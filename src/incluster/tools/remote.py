@@ -1,6 +1,6 @@
 """The persistent tier as the operator tools see it: manifested steps and their copies.
 
-Layout (see :mod:`incluster.persist`): ``<root>/<job>/step-N/rank-RRRRR.{safetensors,json}``
+Layout (see :mod:`incluster.tier_layout`): ``<root>/<job>/step-N/rank-RRRRR.{safetensors,json}``
 plus ``COMMITTED.json``. Only manifested steps count; a step folder without a manifest
 is an unfinished or failed upload (a :class:`Note`). Shards are read whole into memory
 and checked exactly like RAM copies: size, every chunk checksum, the strict header.
@@ -18,7 +18,7 @@ from incluster.format.checksum import verify
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.reader import ShardHeader, header_length, parse_header
 from incluster.format.sidecar import Sidecar
-from incluster.persist import MANIFEST, SET_ASIDE, list_steps, set_aside_reason, step_dir
+from incluster.tier_layout import MANIFEST, SET_ASIDE, list_steps, set_aside_reason, step_dir
 from incluster.tiers.persistent import FsspecTier
 from incluster.tools.models import Copy, Inventory, Note, size_damage
 

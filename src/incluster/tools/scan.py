@@ -19,7 +19,7 @@ from typing import Any
 
 from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.format.sidecar import read_sidecar
-from incluster.persist import MANIFEST
+from incluster.tier_layout import MANIFEST
 from incluster.staging.slots import STAGING_PREFIX
 from incluster.tiers.local import ShardReader, data_path
 from incluster.tools.models import Copy, Inventory, Note, size_damage

@@ -50,6 +50,7 @@ class CommitRequest:
     # goes on (persist.Uploader._open_step refuses an upload over newer steps without it)
     loaded: bool = False
     lineage: tuple[int, int, int] = (0, 0, -1)  # the timeline saving it (incluster.recovery.lineage)
+    persist: bool | None = None  # save(persist=): True uploads it whatever the schedule, False never; None: the schedule
 
 
     @property

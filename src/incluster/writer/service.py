@@ -116,7 +116,8 @@ class CommitService:
         from incluster.replication import OwnShard
 
         own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size, content_id(sidecar.checksum))
-        persist = self.uploader is not None and self.uploader.due(req.step, ordinal)
+        persist = self.uploader is not None and (self.uploader.due(req.step, ordinal) if req.persist is None
+                                                 else req.persist)
         if persist:
             self.uploader.loaded = req.loaded  # type: ignore[union-attr]
         return path, own, persist
@@ -149,11 +150,12 @@ class CommitService:
     def _timeline(self, timeline: int | None) -> int:
         return self.timeline if timeline is None else timeline
 
-    def upload(self, step: int, own: Any, done: Any, timeline: int | None = None) -> bool:
-        """Start the persistent upload of a committed shard; False if skipped."""
+    def upload(self, step: int, own: Any, done: Any, timeline: int | None = None, forced: bool = False) -> bool:
+        """Start the persistent upload of a committed shard; False if skipped. ``forced``
+        (save(persist=True)): whatever the schedule, behind an upload still running."""
         if self.uploader is None:
             return False
-        return self.uploader.start(step, own.sidecar, own.buf, own.size, done, self._timeline(timeline))
+        return self.uploader.start(step, own.sidecar, own.buf, own.size, done, self._timeline(timeline), forced=forced)
 
     def replicate(self, step: int, own: Any, timeline: int | None = None) -> None:
         """Exchange ``step``'s replicas with this rank's partners (``own`` None: nothing to

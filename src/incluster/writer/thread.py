@@ -55,7 +55,7 @@ class ThreadWriter:
             return
         local.set_result((path, persist))
         if persist and not self._service.upload(req.step, own, lambda err: self._persisted(req.step, err, req.timeline),
-                                                req.timeline):
+                                                req.timeline, forced=req.persist is True):
             self._persisted(req.step, "skipped: the previous upload was still running", req.timeline)
         self._repl.submit(self._replicate_then_watch, req.step, own, outcome, req.timeline)
 

@@ -137,7 +137,7 @@ def serve(conn: Connection) -> None:
             def uploaded(err: str | None) -> None:
                 send(Message(Kind.PERSISTED, gen, seq, step, payload=req.timeline, error=err))
 
-            if not service.upload(step, own, uploaded, req.timeline):
+            if not service.upload(step, own, uploaded, req.timeline, forced=req.persist is True):
                 uploaded("skipped: the previous upload was still running")
         replicas.put(partial(exchange, seq, step, own, True, req.timeline))
 
