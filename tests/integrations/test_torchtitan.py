@@ -69,7 +69,8 @@ def test_sigkill_after_durable_save_resumes_bitwise(local_dir: str) -> None:
     # Reference: incluster chosen in the config function, its options set on the command line.
     ref_args = ["--config", "tiny_incluster", "--dump_folder", f"{base}/ref", "--checkpoint.enable",
                 "--checkpoint.initial_load_path", seed_path, "--checkpoint.job", "tt-ref",
-                "--checkpoint.replicas", "1"]
+                "--checkpoint.replicas", "1", "--checkpoint.persistent", f"{base}/tier",
+                "--checkpoint.persistent_every", "100"]  # the tier's schedule: the first save only
     # The crashed job: the stock config, incluster turned on with torchtitan's override flag.
     crash_args = ["--config", "tiny", "--dump_folder", f"{base}/crash", "--checkpoint.enable",
                   "--checkpoint.initial_load_path", seed_path,
@@ -107,6 +108,8 @@ def test_sigkill_after_durable_save_resumes_bitwise(local_dir: str) -> None:
                 assert torch.equal(got, want) if torch.is_tensor(want) else got == want, f"{part}/{key}"
     # Interval saves went to incluster only; the last step wrote torchtitan's model-only export.
     assert steps_in(f"{base}/crash/checkpoint") == ["step-8"] and steps_in(f"{base}/ref/checkpoint") == ["step-8"]
+    # The run's last step went to the persistent tier too, whatever its schedule.
+    assert os.path.exists(f"{base}/tier/tt-ref/step-000000000008/COMMITTED.json"), os.listdir(f"{base}/tier/tt-ref")
 
 
 def test_config_override_and_validation() -> None:

@@ -123,6 +123,24 @@ def test_the_trainer_takes_checkpointer_options_as_a_dict_like_lightning(local_d
         InclusterTrainer(model=_tiny(), args=args, train_dataset=data, checkpointer="as-dict")
 
 
+def test_the_runs_last_step_goes_to_the_persistent_tier_whatever_its_schedule(local_dir, tmp_path):
+    require("transformers", "transformers")
+    import torch
+    from transformers import TrainingArguments
+
+    from incluster.integrations.transformers import InclusterTrainer
+
+    data = [{"x": torch.randn(2), "labels": torch.tensor(0.0)} for _ in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, save_steps=3, report_to=[], use_cpu=True)
+    tier = tmp_path / "tier"
+    t = InclusterTrainer(model=_tiny(), args=args, train_dataset=data,
+                         checkpointer=dict(local_dir=local_dir, job="tiered", writer="thread", persistent=str(tier),
+                                           persistent_every=100))  # the tier's schedule: the first save only
+    t.train()
+    assert t.incluster_handle.step == 4 and t.incluster_handle.persisted.result(30) is True
+    assert sorted(os.listdir(tier / "tiered")) == ["step-000000000003", "step-000000000004"]
+
+
 def test_rerunning_a_finished_job_trains_nothing_and_leaves_no_resume_folder(local_dir, tmp_path, monkeypatch):
     """The Trainer checks max_steps only after a step: every rerun of a finished job
     trained (and saved) one step more. The folder that hands the restored TrainerState to
