@@ -20,6 +20,7 @@
   of that job without ``ckpt_path`` is refused before it trains.
 - A persistent tier whose schedule uploads only the first save: the fit's last step is
   uploaded too.
+- A fit EarlyStopping ends (at an epoch's end, not a multiple of ``every``) saves that step.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from incluster.integrations.lightning import INCLUSTER, InclusterCheckpoint, Inc
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self, batch_size: int = 4, stateful: bool = False, grow: bool = False) -> None:
+    def __init__(self, batch_size: int = 4, stateful: bool = False, grow: bool = False, flat: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Linear(4, 1)
-        self.batch_size, self.stateful, self.grow = batch_size, stateful, grow
+        self.batch_size, self.stateful, self.grow, self.flat = batch_size, stateful, grow, flat
         self.seen: list[list[float]] = []  # (epoch, sum of the batch's inputs) of every batch trained
 
     def on_train_batch_start(self, batch: list[torch.Tensor], batch_idx: int) -> None:
@@ -47,6 +48,8 @@ class Tiny(pl.LightningModule):
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.flat:  # a metric that never improves: EarlyStopping(patience=0) stops at the 2nd epoch's end
+            self.log("flat", 1.0, on_step=False, on_epoch=True)
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -78,16 +81,17 @@ class Crash(pl.Callback):
 
 def fit(max_steps: int, ckpt_path: str | None, job: str = "accumulate", every: int = 3, save_last: bool = True,
         max_epochs: int | None = None, accumulate: int = 2, crash_at: int | None = None,
-        ck: dict[str, object] | None = None, **data: object) -> list[object]:
+        ck: dict[str, object] | None = None, early: bool = False, **data: object) -> list[object]:
     strategy = InclusterDDPStrategy(checkpointer=dict(job=job, writer="thread", **(ck or {})))
+    stop = [pl.callbacks.EarlyStopping("flat", patience=0, check_on_train_epoch_end=True)] if early else []
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, max_epochs=max_epochs,
         accumulate_grad_batches=accumulate, reload_dataloaders_every_n_epochs=1 if data.get("grow") else 0,
         callbacks=[InclusterCheckpoint(every_n_steps=every, save_last=save_last)]
-        + ([Crash(crash_at)] if crash_at is not None else []), logger=False,
+        + ([Crash(crash_at)] if crash_at is not None else []) + stop, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    model = Tiny(**data)  # type: ignore[arg-type]
+    model = Tiny(flat=early, **data)  # type: ignore[arg-type]
     try:
         trainer.fit(model, ckpt_path=ckpt_path)
     except CheckpointError as e:
@@ -121,6 +125,9 @@ def main() -> None:
     res["epochs_behind"] = fit(-1, None, "epochs", **epochs)  # no ckpt_path: its first save would be refused
     # With a persistent tier uploading only the run's first save (3), the fit's last (10) goes there too
     res["tiered"] = fit(10, None, "tiered", ck=dict(persistent=sys.argv[2], persistent_every=100))
+    # EarlyStopping ends the fit at the 2nd epoch's end, step 16 (8 steps an epoch), not a multiple of 3
+    res["early"] = fit(-1, None, "early", max_epochs=5, early=True)
+    res["early_resumed"] = fit(-1, INCLUSTER, "early", max_epochs=5, early=True)
     with open(sys.argv[1], "w") as f:
         json.dump(res, f)
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort it

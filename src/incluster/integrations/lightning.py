@@ -73,10 +73,21 @@ class _CheckpointHooks:
         step = trainer.global_step
         last = self.save_last and _ends_fit(trainer)
         if step > 0 and (step % self.every_n_steps == 0 or last) and step != self._last_saved:
-            self._last_saved = step
-            # The fit's last step outlives the job's nodes only in the persistent tier: it goes there too.
-            tier = trainer.strategy.incluster.config.persistent is not None
-            trainer.strategy.incluster_save(trainer, step, persist=True if last and tier else None)
+            self._save(trainer, step, last)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # A fit a callback stopped (EarlyStopping decides after the batch, in validation or at
+        # the epoch's end) ends on a step no batch-end saw as its last: saved here. Its epoch
+        # is over, as at a max_steps end; a resume goes on as Lightning's own would.
+        step = trainer.global_step
+        if self.save_last and trainer.should_stop and step > 0 and step != self._last_saved:
+            self._save(trainer, step, True)
+
+    def _save(self, trainer: Any, step: int, last: bool) -> None:
+        self._last_saved = step
+        # The fit's last step outlives the job's nodes only in the persistent tier: it goes there too.
+        tier = trainer.strategy.incluster.config.persistent is not None
+        trainer.strategy.incluster_save(trainer, step, persist=True if last and tier else None)
 
     def state_dict(self) -> dict[str, Any]:
         # Lightning's own checkpoint keeps no RNG state (and its file holds rank 0's only);
