@@ -134,6 +134,30 @@ def test_a_persistent_step_found_bad_is_set_aside_for_later_restores_and_retenti
     _restore_from_tier(local_dir, root, 4, 40.0)
 
 
+def test_a_download_this_node_could_not_take_does_not_set_the_tiers_step_aside(local_dir, tmp_path, monkeypatch):
+    """A full RAM disk is this node's problem, not the copy's: the step is passed over in
+    this restore only, and the next restore takes it."""
+    import errno
+
+    from incluster.staging.slots import SlotRing
+
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(6), persistent_keep=2)  # steps 2 and 4 in the tier
+    prepare, calls = SlotRing.prepare, []
+
+    def full_once(self, slot, size):
+        calls.append(size)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return prepare(self, slot, size)
+
+    monkeypatch.setattr(SlotRing, "prepare", full_once)
+    _restore_from_tier(local_dir, root, 2, 2.0)
+    monkeypatch.undo()
+    assert not os.path.exists(os.path.join(root, "p", "step-000000000004", "SET_ASIDE.json"))
+    _restore_from_tier(local_dir, root, 4, 4.0)
+
+
 def test_in_cluster_copy_is_preferred_when_as_new(local_dir, tmp_path):
     root = str(tmp_path / "persist")
     _run(local_dir, root, range(5))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from incluster.errors import CorruptCheckpointError, TierUnavailableError
@@ -121,7 +122,20 @@ def persistent_plan(
     return None
 
 
-def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: int) -> str | None:
+@dataclass(frozen=True)
+class Problem:
+    """What went wrong fetching a persistent copy; ``bad``: the tier's copy itself failed
+    (a checksum, a size, a record that does not parse, a file missing), so later restores
+    pass over the step (:func:`set_aside`), unlike a full RAM disk or a tier not answering."""
+
+    text: str
+    bad: bool
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: int) -> Problem | None:
     """Download the old shards this rank serves in a resharding restore from tier 2 into
     their old ranks' folders on this node, each verified against its sidecar and the
     manifest before it is committed. None, or what went wrong."""
@@ -145,7 +159,7 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: 
                 ctx.persistent.read(base + ".json"), where, rank=owner, step=step, job=ctx.job, size=expect.size
             )
             if sc.checksum != expect or sc.world_size != world:
-                return f"{where}: sidecar and manifest disagree"
+                return Problem(f"{where}: sidecar and manifest disagree", True)
             folder = rank_folder(ctx.local_dir, ctx.job, owner)
             os.makedirs(folder, mode=0o700, exist_ok=True)
             final = os.path.join(folder, step_file(step))
@@ -170,7 +184,7 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: 
             os.replace(tmp, final)
             write_sidecar(os.path.join(folder, sidecar_file(step)), sc)
         except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError) as exc:
-            return _named(where if 'where' in locals() else 'a persistent shard', exc)
+            return _problem(where if 'where' in locals() else 'a persistent shard', exc)
     return None
 
 
@@ -186,7 +200,7 @@ def _tier_read(ctx: Any, path: str, where: str, **kw: Any) -> Any:
         raise TierUnavailableError(f"{where}: reading it from the persistent tier failed ({exc})") from exc
 
 
-def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[type-arg]
+def download(ctx: Any, step: int, record: dict) -> Problem | None:  # type: ignore[type-arg]
     """Fetch my shard of ``step`` from tier 2 into one of my slots, verify, commit (heal)."""
     from incluster.format.checksum import Checksum
     from incluster.tier_layout import step_dir
@@ -200,7 +214,7 @@ def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[t
             _tier_read(ctx, base + ".json", where), where, rank=ctx.rank, step=step, job=ctx.job, size=int(record["size"])
         )
         if sc.checksum != expect:
-            return f"{where}: sidecar and manifest disagree"
+            return Problem(f"{where}: sidecar and manifest disagree", True)
         # A copy this node kept of a step the cluster as a whole lost (its save failed
         # elsewhere), or another timeline's: the manifested copy replaces it
         slot = ctx.ring.acquire_for_restore(step)
@@ -215,19 +229,21 @@ def download(ctx: Any, step: int, record: dict) -> str | None:  # type: ignore[t
             ctx.ring.release(slot)
             raise
     except (OSError, ValueError, KeyError, CorruptCheckpointError) as exc:
-        return _named(where, exc)
+        return _problem(where, exc)
     return None
 
 
-def set_aside(ctx: Any, step: int, problem: str) -> None:
+def set_aside(ctx: Any, step: int, problem: Problem) -> None:
     """A copy of persistent ``step`` was found bad: later restores pass over the step
     (:func:`incluster.tier_layout.set_aside`)."""
     from incluster.tier_layout import set_aside as mark
 
-    mark(ctx.persistent, ctx.job, step, problem)
+    mark(ctx.persistent, ctx.job, step, problem.text)
 
 
-def _named(where: str, exc: BaseException) -> str:
-    """``where: exc``, without naming the copy twice (verification names it already)."""
+def _problem(where: str, exc: BaseException) -> Problem:
+    """``where: exc``, without naming the copy twice (verification names it already); bad
+    where the copy failed, not this node (a full RAM disk) or the tier's answer (OSError)."""
     text = str(exc)
-    return text if text.startswith(where) else f"{where}: {text}"
+    bad = isinstance(exc, (CorruptCheckpointError, FileNotFoundError, ValueError, KeyError, TypeError))
+    return Problem(text if text.startswith(where) else f"{where}: {text}", bad)

@@ -36,7 +36,7 @@ from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpoi
 from incluster.format.checksum import core_share
 from incluster.recovery.equivalent import SIDECAR_BAD
 from incluster.recovery.forward import forward_sidecars
-from incluster.recovery.from_persistent import download, fetch_old_shards, set_aside
+from incluster.recovery.from_persistent import Problem, download, fetch_old_shards, set_aside
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, gather_to_zero
 from incluster.recovery.landing import Landing, direct_targets, read_verified, segments
 from incluster.recovery.node import (
@@ -183,8 +183,9 @@ class _Run:
                     report.notes.append("old shards fetched from the persistent tier")
                     if problem is not None:
                         log.warning("incluster: %s; the persistent step is set aside", problem)
-                        report.notes.append(problem)
-                        set_aside(ctx, mine.step, problem)
+                        report.notes.append(problem.text)
+                        if problem.bad:
+                            set_aside(ctx, mine.step, problem)
                     if self._collect([("<persistent>", -1, mine.step)] if problem else []):
                         continue
                 rs = Reshard(ctx, self.state, mine.step, maps_of(ctx, mine.world, shared), report)
@@ -202,15 +203,16 @@ class _Run:
                 problem = None if self.loaded == mine.step else self._download(mine)
                 if problem is not None:
                     log.warning("incluster: %s; the persistent step is set aside", problem)
-                    report.notes.append(problem)
-                    set_aside(ctx, mine.step, problem)
+                    report.notes.append(problem.text)
+                    if problem.bad:
+                        set_aside(ctx, mine.step, problem)
                 elif self.loaded != mine.step and self.problem is None:
                     found = self._load_local(mine)
                     if any(b[0] == MESH for b in found):  # the next plan reshards the same step
                         if self._collect(found):
                             continue
                     elif found:
-                        problem = "its downloaded copy failed verification"
+                        problem = Problem("its downloaded copy failed verification", False)
                 if self._collect([("<persistent>", -1, mine.step)] if problem else []):
                     continue
                 report.source = "persistent"
@@ -356,7 +358,7 @@ class _Run:
             self._cannot_load(step, exc, landed=landing is not None)
         return []
 
-    def _download(self, mine: RankPlan) -> str | None:
+    def _download(self, mine: RankPlan) -> Problem | None:
         """The persistent copy into this node's RAM; a problem with that copy (returned) sets
         it aside on every rank. No room for it here stops every rank (``_collect``)."""
         try:
