@@ -511,6 +511,7 @@ class Uploader:
         with self._fate:
             self._closed = True
             undecided, self._deciding = self._deciding, {}
+            forced = set(self._forced_keys)  # their threads may end (and forget them) any moment now
             step, done, timeline = self.uploading, self._done, self._timeline
             running = step is not None and not self._cancelled
             self._cancelled = True
@@ -520,7 +521,7 @@ class Uploader:
             self._undecided(later, later_timeline)
             self._publish_failure(later, CANCELLED, later_timeline)
             undecided_why = (f"close() came while step {later} (persist=True) waited for the upload before it to "
-                             f"end: it is not in the persistent tier" if (later_timeline, later) in self._forced_keys
+                             f"end: it is not in the persistent tier" if (later_timeline, later) in forced
                              else f"close() came before rank 0's clock said whether step {later} was due "
                                   f"(persistent_interval_s): it is not in the persistent tier")
             self._report(told, undecided_why)
