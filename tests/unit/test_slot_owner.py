@@ -202,3 +202,38 @@ def test_a_discarded_step_gives_its_name_back_so_two_slots_never_share_a_file(lo
     assert 20 in ring.committed_steps() and open(shard, "rb").read(1) == b"n"
     paths = [s.path for s in ring.slots]
     assert len(set(paths)) == len(paths), paths
+
+
+def test_shared_replica_records_are_kept_for_keep_steps_not_only_the_newest(local_dir):
+    """A data-parallel peer's replica is only its record (its bytes are my own shard):
+    no slot holds it, and retention deleted every one older than the newest global step,
+    so one lost node and one bad own copy lost the job. The newest ``keep`` stay."""
+    ring = SlotRing(os.path.join(local_dir, "job", "rank-00001"), keep=2)
+    for step in (5, 6, 7):
+        open(os.path.join(ring.folder, sidecar_file(step)), "w").close()  # as _commit_shared writes them
+        ring.set_global(step)
+        ring.drop_unheld(step)
+    assert sorted(os.listdir(ring.folder)) == [sidecar_file(6), sidecar_file(7)]
+    ring.close()
+
+
+def test_old_shards_a_replica_ring_holds_go_once_shared_records_supersede_them(local_dir):
+    """A rank moved to another node: its old folder here became a replica ring holding its
+    old own shards (adopted as committed slots). Its replicas now come as shared records,
+    which take no slot, so those slots were never reused and their RAM never freed."""
+    folder = os.path.join(local_dir, "job", "rank-00001")
+    old = SlotRing(folder, keep=2)
+    for step in (3, 4):
+        _commit(old, step)
+    old.close()
+    ring = SlotRing(folder, keep=2)  # the next process adopts them
+    assert ring.committed_steps() == [3, 4]
+    for step in (5, 6):
+        open(os.path.join(folder, sidecar_file(step)), "w").close()
+        ring.set_global(step)
+        ring.drop_unheld(step)
+    assert sorted(os.listdir(folder)) == [sidecar_file(5), sidecar_file(6)]
+    assert ring.committed_steps() == [] and all(s.state is SlotState.FREE for s in ring.slots)
+    _commit(ring, 7)  # a retired slot is made again when a full replica comes
+    assert os.path.getsize(os.path.join(folder, step_file(7))) == 4096
+    ring.close()

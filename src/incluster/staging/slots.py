@@ -447,17 +447,47 @@ class SlotRing:
             self._cond.notify_all()
 
     def drop_unheld(self, newest: int) -> None:
-        """Delete committed steps older than ``newest`` that no slot holds (left by an
-        earlier process, or un-adopted): the folder stays at ``keep`` shards."""
+        """Retention once ``newest`` is committed on every rank: the newest ``keep`` steps up
+        to it stay, whether a slot holds the step's bytes or - a shared replica - only its
+        record (its bytes are the peer's own shard on this node); so do steps a slot is
+        still working on. Older records and shards no slot holds go (left by an earlier
+        process, or un-adopted), and a committed slot holding an older step gives its RAM
+        back: a replica ring that now only gets shared records (data-parallel peers) would
+        otherwise keep its old shards, adopted or received, for good."""
         with self._cond:  # a commit in flight renames and marks under this lock too
+            names = sorted(os.listdir(self.folder))  # ".json" (the marker) before the shard
+            recorded = {int(m.group(1)) for n in names if (m := _SIDECAR.match(n))}
+            recorded |= {s.step for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None}
+            kept = set(sorted(s for s in recorded if s <= newest)[-self.keep :])
+            for s in self.slots:
+                if (s.state is SlotState.COMMITTED and s.step is not None and s.step < newest
+                        and s.step not in kept and not s.uploading):
+                    self._retire(s)
             held = {s.step for s in self.slots if s.step is not None and s.state is not SlotState.FREE}
-            for name in sorted(os.listdir(self.folder)):  # ".json" (the marker) before the shard
+            for name in names:
                 m = _SHARD.match(name) or _SIDECAR.match(name) or _SET_ASIDE.match(name)
-                if m and int(m.group(1)) < newest and int(m.group(1)) not in held:
+                if m and int(m.group(1)) < newest and int(m.group(1)) not in held | kept:
                     try:
                         os.unlink(os.path.join(self.folder, name))
                     except FileNotFoundError:
                         pass
+            self._cond.notify_all()
+
+    def _retire(self, slot: Slot) -> None:
+        """A committed slot past retention: un-committed (record first), its file and
+        mapping gone; the slot stays in the ring, free, made again if it is taken."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.folder, sidecar_file(slot.step)))  # type: ignore[arg-type]
+        if self._on_unmap is not None and slot.buf is not None:
+            self._on_unmap(slot)
+        slot.unmap()
+        if slot.fd >= 0:
+            os.close(slot.fd)
+            slot.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot.path)
+        slot.path = os.path.join(self.folder, f"{STAGING_PREFIX}{slot.index}")
+        slot.state, slot.step, slot.size = SlotState.FREE, None, 0
 
     def committed_steps(self) -> list[int]:
         with self._cond:
