@@ -676,3 +676,64 @@ def test_a_run_that_never_loaded_does_not_overwrite_nor_remove_the_jobs_persiste
     shutil.rmtree(os.path.join(local_dir, "p"))
     with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
         assert ck.load(target) == 12 and torch.equal(target["w"], torch.full((5000,), 12.0))
+
+
+def _timeline_left_in_ram_and_a_later_one_only_in_the_tier(local_dir, root, aside):
+    """Timeline A saves steps 10 and 20 (RAM only); a node away keeps A's step 20; timeline
+    B goes back to 10 and saves 15 to the tier; B's RAM copies are lost; the node comes
+    back. The only evidence that B went back past 20 is the tier's manifest of step 15."""
+    def files(folder, step):
+        return [os.path.join(folder, f"step-{step:012d}{ext}") for ext in (".safetensors", ".json")]
+
+    kw = dict(local_dir=local_dir, job="p", writer="thread", persistent=root)
+    with incluster.Checkpointer(**kw) as ck:
+        ck.save(10, _state(10.0), persist=False).wait()
+        ck.save(20, _state(20.0), persist=False).wait()
+        folder = ck.folder
+    for f in files(folder, 20):
+        shutil.move(f, os.path.join(aside, os.path.basename(f)))
+    with incluster.Checkpointer(**kw) as ck:
+        assert ck.load(_state(0.0)) == 10
+        h = ck.save(15, _state(15.0), persist=True)
+        h.wait()
+        assert h.persisted.result(60) is True
+    for f in files(folder, 15):
+        os.remove(f)
+    for f in files(folder, 20):
+        shutil.move(os.path.join(aside, os.path.basename(f)), f)
+    return kw
+
+
+@pytest.mark.parametrize("how", ["bad-copy", "marker-refused", "local-io-error"])
+def test_a_tier_step_passed_over_still_tells_which_timeline_was_left(local_dir, tmp_path, monkeypatch, how):
+    """Once the tier's step 15 was passed over in a restore (a bad copy; a tier refusing the
+    set-aside marker; this node failing to write the download), the next round no longer
+    read its manifest: nothing told that A's step 20 was abandoned, and it was loaded."""
+    import errno
+
+    import incluster.writer.local_commit as local_commit
+    from incluster.tiers.persistent import FsspecTier
+
+    root, aside = str(tmp_path / "persist"), str(tmp_path / "aside")
+    os.makedirs(aside)
+    kw = _timeline_left_in_ram_and_a_later_one_only_in_the_tier(local_dir, root, aside)
+    if how != "local-io-error":
+        _flip(root, 15)
+    if how == "marker-refused":
+        write = FsspecTier.write
+
+        def refuse(self, path, data, **k):
+            if path.endswith("SET_ASIDE.json"):
+                raise PermissionError(13, "read-only")
+            return write(self, path, data, **k)
+
+        monkeypatch.setattr(FsspecTier, "write", refuse)
+    if how == "local-io-error":
+        def eio(*a, **k):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(local_commit, "commit_received", eio)
+    target = _state(0.0)
+    with incluster.Checkpointer(**kw) as ck:
+        assert ck.load(target) == 10
+    assert torch.equal(target["w"], torch.full((5000,), 10.0))

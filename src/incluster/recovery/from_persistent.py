@@ -24,6 +24,7 @@ from incluster.recovery.plan import RankPlan
 
 log = logging.getLogger("incluster")
 LIST_TIMEOUT_S = 15.0  # how long a restore with a complete step in RAM waits for tier 2's listing
+UNREADABLE = "<manifest>"  # an exclusion: the step's manifest cannot be read (no evidence, nor a step)
 
 
 Manifests = dict[int, tuple[dict[int, Any], int, lineage.Lineage]]  # step -> (records by rank, world, lineage)
@@ -54,24 +55,25 @@ def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int
         return {}
     out: Manifests = {}
     for step, usable in steps.items():
-        if not usable:  # set aside by an earlier restore: not tried, still evidence of its timeline
-            if ("<persistent>", -1, step) not in exclude:
-                log.info("incluster: persistent step %d was set aside by an earlier restore (a bad copy); passed "
-                         "over", step)
+        # A step passed over (set aside by an earlier restore, or in an earlier round of this
+        # one) is never tried again, but its manifest still tells which timeline it is of:
+        # without it, a timeline it alone shows went back past a step would be forgotten,
+        # and that abandoned step loaded.
+        if not usable and ("<persistent>", -1, step) not in exclude:
+            log.info("incluster: persistent step %d was set aside by an earlier restore (a bad copy); passed over",
+                     step)
             exclude.add(("<persistent>", -1, step))
-        elif ("<persistent>", -1, step) in exclude:
+        if (UNREADABLE, -1, step) in exclude:
             continue
         try:
             manifest = json.loads(ctx.persistent.read(f"{step_dir(ctx.job, step)}/{MANIFEST}"))
             records = {int(r["rank"]): r for r in manifest["ranks"]}
             world = int(manifest["world_size"])
             if world < 1 or sorted(records) != list(range(world)):
-                log.warning("incluster: persistent step %d has a manifest without every rank's record; skipped", step)
-                exclude.add(("<persistent>", -1, step))
-                continue
+                raise ValueError("it lacks some rank's record")
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)
-            exclude.add(("<persistent>", -1, step))
+            exclude.update({("<persistent>", -1, step), (UNREADABLE, -1, step)})
             continue
         out[step] = (records, world, lineage.parse(manifest.get("lineage")))
     return out
