@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import re
 import threading
 import time
@@ -137,11 +136,9 @@ class Uploader:
         # for none (a report sent after close() would be lost, an upload reads its slot).
         self._active = 0
         self._idle = threading.Condition(self._fate)
-        # save(persist=True) uploads waiting for the one that runs, in order, on one thread;
-        # while any waits, a scheduled upload is skipped as if one ran (uploads stay in step order).
-        self._forced: "queue.Queue[Callable[[], None]] | None" = None
-        self._forced_waiting = 0
-        self._forced_keys: set[tuple[int, int]] = set()  # (timeline, step) of those, for cancel()'s words
+        # The save(persist=True) waiting for the upload that runs, if any: (timeline, step).
+        # While it waits a scheduled upload is skipped as if one ran (uploads stay in step order).
+        self._forced: tuple[int, int] | None = None
 
     def due(self, step: int, ordinal: int) -> bool:
         """Whether this save may go to the persistent tier: the same answer on every rank.
@@ -194,43 +191,39 @@ class Uploader:
 
     def _start_forced(self, step: int, sidecar: bytes, buf: Any, size: int, done: Callable[[str | None], None],
                       timeline: int) -> bool:
-        """Queue the upload behind the one that runs (reported by cancel() if close() comes
-        first). Every rank was asked alike, so every rank uploads its shard of it."""
+        """Wait behind the upload that runs, on a thread of its own (reported by cancel()
+        if close() comes first). At most one waits, its slot pinned: a newer forced save
+        replaces it (reported skipped), so a run forcing saves on a slow tier never pins
+        every slot. Every rank was asked alike, so every rank uploads its shard of it."""
+        key = (timeline, step)
         with self._fate:
             if self._closed:
                 return False
-            self._deciding[(timeline, step)] = done
-            self._forced_keys.add((timeline, step))
+            replaced, self._forced = self._forced, key
+            old_done = self._deciding.pop(replaced, None) if replaced is not None else None
+            self._deciding[key] = done
             self._active += 1
-            self._forced_waiting += 1
-            if self._forced is None:
-                self._forced = queue.Queue()
-                threading.Thread(target=self._run_forced, args=(self._forced,), name="incluster-persist-forced",
-                                 daemon=True).start()
             waiting = self.uploading
+        if replaced is not None and old_done is not None:
+            self._publish_failure(replaced[1], "skipped, previous upload still running", replaced[0])
+            self._report(old_done, f"skipped: step {step} (persist=True) came while it waited for the upload before it")
         if waiting is not None:
             log.info("incluster: rank %d: the persistent save of step %d (persist=True) waits for the upload of step "
                      "%d to end", self.p.rank, step, waiting)
 
         def wait_then_start() -> None:
-            try:
-                while not self._busy.acquire(timeout=0.5):
-                    with self._fate:
-                        if (timeline, step) not in self._deciding:  # cancel() reported it
-                            return
-                self._start(step, sidecar, buf, size, done, timeline, deciding=True, acquired=True)
-            finally:
+            while not self._busy.acquire(timeout=0.5):
                 with self._fate:
-                    self._forced_waiting -= 1
-                    self._forced_keys.discard((timeline, step))
+                    if key not in self._deciding:  # replaced, or cancel() reported it
+                        return
+            with self._fate:
+                if self._forced == key:
+                    self._forced = None
+            # Not ours any more (replaced or cancelled meanwhile): _start releases the lock.
+            self._start(step, sidecar, buf, size, done, timeline, deciding=True, acquired=True)
 
-        self._forced.put(wait_then_start)
+        threading.Thread(target=wait_then_start, name=f"incluster-persist-wait-{step}", daemon=True).start()
         return True
-
-    @staticmethod
-    def _run_forced(jobs: "queue.Queue[Callable[[], None]]") -> None:
-        while True:
-            jobs.get()()
 
     def _report(self, done: Callable[[str | None], None] | None, why: str | None) -> None:
         """Tell a step's outcome (``done`` None: told already), then count it as no longer active."""
@@ -292,7 +285,7 @@ class Uploader:
         for it (reported here if the step was ``deciding``, else by the caller). Nothing
         starts after cancel(). ``acquired``: the caller holds the upload lock already."""
         with self._fate:
-            queued = self._forced_waiting > 0 and not acquired
+            queued = self._forced is not None and not acquired
         if not acquired and (queued or not self._busy.acquire(blocking=False)):
             with self._fate:
                 mine = not deciding or self._deciding.pop((timeline, step), None) is not None
@@ -301,9 +294,13 @@ class Uploader:
             self.skipped += 1
             with self._fate:
                 trouble, running, ran = self.trouble, self.uploading, time.monotonic() - self._began
+                forced = self._forced
             took = f"; the last one took {self._last_took:.1f} s" if self._last_took is not None else ""
             stuck = self._last_took is not None and ran > max(5 * self._last_took, 30.0)
-            if trouble is not None and running != self._trouble_told:
+            if queued and forced is not None:
+                log.info("incluster: rank %d skips the persistent save of step %d: step %d (persist=True) waits for "
+                         "the upload of step %s, and uploads go in step order", self.p.rank, step, forced[1], running)
+            elif trouble is not None and running != self._trouble_told:
                 self._trouble_told = running
                 log.warning("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
                             "retrying after an error (%s)%s. Saves to the cluster's RAM go on; persistent saves are "
@@ -511,7 +508,7 @@ class Uploader:
         with self._fate:
             self._closed = True
             undecided, self._deciding = self._deciding, {}
-            forced = set(self._forced_keys)  # their threads may end (and forget them) any moment now
+            forced, self._forced = self._forced, None
             step, done, timeline = self.uploading, self._done, self._timeline
             running = step is not None and not self._cancelled
             self._cancelled = True
@@ -521,7 +518,7 @@ class Uploader:
             self._undecided(later, later_timeline)
             self._publish_failure(later, CANCELLED, later_timeline)
             undecided_why = (f"close() came while step {later} (persist=True) waited for the upload before it to "
-                             f"end: it is not in the persistent tier" if (later_timeline, later) in forced
+                             f"end: it is not in the persistent tier" if (later_timeline, later) == forced
                              else f"close() came before rank 0's clock said whether step {later} was due "
                                   f"(persistent_interval_s): it is not in the persistent tier")
             self._report(told, undecided_why)

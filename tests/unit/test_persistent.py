@@ -284,6 +284,26 @@ def test_save_persist_true_waits_for_the_upload_before_it_and_scheduled_ones_ski
     assert _manifests(root) == ["step-000000000000", "step-000000000001"]
 
 
+def test_forced_saves_on_a_slow_tier_never_pin_every_slot_nor_leave_threads(local_dir, tmp_path, monkeypatch):
+    """Each save(persist=True) waiting for the upload that runs pinned its slot: three in
+    a row on a slow tier pinned all keep+1, and the next save timed out (its RAM copy lost).
+    One waits at most; a newer one replaces it. No thread outlives its Checkpointer."""
+    import threading
+
+    _slow_tier_writes(monkeypatch, 0.5)
+    root = str(tmp_path / "persist")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1, persistent_keep=3, slot_timeout_s=1.0) as ck:
+        handles = [ck.save(0, _state(0.0))] + [ck.save(s, _state(float(s)), persist=True) for s in (1, 2, 3)]
+        for h in handles:
+            h.wait()  # the save of step 3 found every slot pinned (step 0's upload takes 1.5 s)
+        assert ck.save(4, _state(4.0), persist=False).wait() is None
+        assert [h.persisted.result(30) for h in handles] == [True, False, False, True]
+    assert _manifests(root) == ["step-000000000000", "step-000000000003"]
+    time.sleep(1.0)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("incluster-persist-wait")]
+
+
 def test_close_reports_a_forced_upload_still_waiting_as_not_persisted(local_dir, tmp_path, monkeypatch):
     _slow_tier_writes(monkeypatch, 1.0)
     root = str(tmp_path / "persist")
