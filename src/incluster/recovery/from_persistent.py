@@ -13,10 +13,11 @@ the cluster's RAM (:mod:`incluster.recovery.reshard`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from incluster.errors import CorruptCheckpointError, TierUnavailableError
 from incluster.recovery import lineage
@@ -163,13 +164,15 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: 
             if sc.checksum != expect or sc.world_size != world:
                 return Problem(f"{where}: sidecar and manifest disagree", True)
             folder = rank_folder(ctx.local_dir, ctx.job, owner)
-            os.makedirs(folder, mode=0o700, exist_ok=True)
             final = os.path.join(folder, step_file(step))
             tmp = f"{final}.fetch-{os.getpid()}"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            with _local():
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.ftruncate(fd, expect.size)
-                mm = mmap.mmap(fd, expect.size) if expect.size else None
+                with _local():
+                    os.ftruncate(fd, expect.size)
+                    mm = mmap.mmap(fd, expect.size) if expect.size else None
                 try:
                     got = ctx.persistent.read(base + ".safetensors", into=memoryview(mm) if mm is not None else memoryview(bytearray()))
                     if got != expect.size:
@@ -183,9 +186,10 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: 
                 os.unlink(tmp)
                 raise
             os.close(fd)
-            os.replace(tmp, final)
-            write_sidecar(os.path.join(folder, sidecar_file(step)), sc)
-        except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError) as exc:
+            with _local():
+                os.replace(tmp, final)
+                write_sidecar(os.path.join(folder, sidecar_file(step)), sc)
+        except (_LocalError, OSError, ValueError, KeyError, TypeError, CorruptCheckpointError) as exc:
             return _problem(where if 'where' in locals() else 'a persistent shard', exc)
     return None
 
@@ -221,16 +225,25 @@ def download(ctx: Any, step: int, record: dict) -> Problem | None:  # type: igno
         # elsewhere), or another timeline's: the manifested copy replaces it
         slot = ctx.ring.acquire_for_restore(step)
         try:
-            ctx.ring.prepare(slot, expect.size)
+            with _local():
+                ctx.ring.prepare(slot, expect.size)
             into = memoryview(slot.mm) if slot.mm is not None else memoryview(bytearray())
-            got = _tier_read(ctx, base + ".safetensors", where, into=into)
-            if got != expect.size:
-                raise CorruptCheckpointError(f"{where}: {got} bytes downloaded, the manifest says {expect.size}")
-            commit_received(ctx.ring, slot, sc, where, node=ctx.node, restored_from="persistent")
+            for attempt in (1, 2):  # bytes that do not match are read again once: not set aside on one bad read
+                try:
+                    got = _tier_read(ctx, base + ".safetensors", where, into=into)
+                    if got != expect.size:
+                        raise CorruptCheckpointError(f"{where}: {got} bytes downloaded, the manifest says {expect.size}")
+                    with _local():
+                        commit_received(ctx.ring, slot, sc, where, node=ctx.node, restored_from="persistent")
+                    break
+                except CorruptCheckpointError:
+                    if attempt == 2:
+                        raise
+                    log.warning("incluster: %s did not match its checksums as downloaded; reading it again", where)
         except BaseException:
             ctx.ring.release(slot)
             raise
-    except (OSError, ValueError, KeyError, CorruptCheckpointError) as exc:
+    except (_LocalError, OSError, ValueError, KeyError, CorruptCheckpointError) as exc:
         return _problem(where, exc)
     return None
 
@@ -243,9 +256,22 @@ def set_aside(ctx: Any, step: int, problem: Problem) -> None:
     mark(ctx.persistent, ctx.job, step, problem.text)
 
 
+class _LocalError(Exception):
+    """This node failed to hold the copy (its RAM disk), not the tier's copy."""
+
+
+@contextlib.contextmanager
+def _local() -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise _LocalError(f"this node could not write it ({exc})") from exc
+
+
 def _problem(where: str, exc: BaseException) -> Problem:
     """``where: exc``, without naming the copy twice (verification names it already); bad
-    where the copy failed, not this node (a full RAM disk) or the tier's answer (OSError)."""
+    where the tier's copy failed (its checksums, its records, a file of it missing), not
+    this node (``_LocalError``: a full or failing RAM disk) nor the tier's answer (OSError)."""
     text = str(exc)
     bad = isinstance(exc, (CorruptCheckpointError, FileNotFoundError, ValueError, KeyError, TypeError))
     return Problem(text if text.startswith(where) else f"{where}: {text}", bad)

@@ -182,7 +182,8 @@ class _Run:
                     problem = fetch_old_shards(ctx, mine.step, mine.persistent.get("reshard", []), mine.world)
                     report.notes.append("old shards fetched from the persistent tier")
                     if problem is not None:
-                        log.warning("incluster: %s; the persistent step is set aside", problem)
+                        log.warning("incluster: %s; the persistent step is %s", problem,
+                                    "set aside" if problem.bad else "passed over in this restore")
                         report.notes.append(problem.text)
                         if problem.bad:
                             set_aside(ctx, mine.step, problem)
@@ -202,7 +203,8 @@ class _Run:
                     self._settle(mine)  # every slot holds a newer step: the tier's step replaces them
                 problem = None if self.loaded == mine.step else self._download(mine)
                 if problem is not None:
-                    log.warning("incluster: %s; the persistent step is set aside", problem)
+                    log.warning("incluster: %s; the persistent step is %s", problem,
+                                "set aside" if problem.bad else "passed over in this restore")
                     report.notes.append(problem.text)
                     if problem.bad:
                         set_aside(ctx, mine.step, problem)
@@ -212,7 +214,9 @@ class _Run:
                         if self._collect(found):
                             continue
                     elif found:
-                        problem = Problem("its downloaded copy failed verification", False)
+                        # verified as it was downloaded: its record does not fit its bytes (the tier's copy)
+                        problem = Problem("its downloaded copy failed verification", True)
+                        set_aside(ctx, mine.step, problem)
                 if self._collect([("<persistent>", -1, mine.step)] if problem else []):
                     continue
                 report.source = "persistent"
