@@ -757,3 +757,24 @@ def test_a_tier_step_passed_over_still_tells_which_timeline_was_left(local_dir, 
     with incluster.Checkpointer(**kw) as ck:
         assert ck.load(target) == 10
     assert torch.equal(target["w"], torch.full((5000,), 10.0))
+
+
+def test_bytes_corrupted_on_one_read_are_read_again_not_set_aside(local_dir, tmp_path, monkeypatch):
+    """One bad read (corrupted on its way) must not mark a good step bad for every later
+    restore: bytes that do not match are downloaded again once."""
+    from incluster.tiers.persistent import FsspecTier
+
+    root = str(tmp_path / "persist")
+    _run(local_dir, root, range(6), persistent_keep=2)
+    read, flipped = FsspecTier.read, []
+
+    def flip_once(self, path, into=None):
+        got = read(self, path, into=into)
+        if into is not None and path.endswith(".safetensors") and not flipped:
+            flipped.append(path)
+            into[len(into) // 2] ^= 1
+        return got
+
+    monkeypatch.setattr(FsspecTier, "read", flip_once)
+    _restore_from_tier(local_dir, root, 4, 4.0)
+    assert flipped and not os.path.exists(os.path.join(root, "p", "step-000000000004", "SET_ASIDE.json"))
