@@ -79,8 +79,9 @@ def set_aside(tier: Any, job: str, step: int, why: str) -> None:
     """Mark a manifested step whose copy a restore found bad (a checksum that does not
     match, a shard missing or cut short): later restores pass over it without downloading
     it again, and retention counts only usable steps, so it never pushes a good one out.
-    The shards stay for inspection (``incluster verify``) until retention reaches them;
-    deleting the marker has the step tried again. Best effort: a tier that refuses the
+    The shards stay until retention reaches them; ``incluster ls``/``verify`` name the
+    step with why and pass over its copies, like a restore; deleting the marker has the
+    step checked and tried again. Best effort: a tier that refuses the
     write is logged, the restore goes on."""
     path = f"{step_dir(job, step)}/{SET_ASIDE}"
     body = json.dumps({"step": step, "why": why, "time": time.time()}).encode()
