@@ -25,6 +25,7 @@ It is collective when a process group is initialized (every rank calls it), as
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Mapping
 
@@ -100,11 +101,21 @@ def _noting_planner(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> Any:
     return Noting()
 
 
+def _lossy(saved: torch.dtype, live: torch.dtype) -> bool:
+    """Whether casting ``saved`` values to ``live`` can change one (int64 -> float32 rounds
+    above 2**24; bfloat16 -> float32 is exact)."""
+    if saved.is_floating_point and not live.is_floating_point:
+        return True
+    if live.is_floating_point and not saved.is_floating_point and saved is not torch.bool and not saved.is_complex:
+        mantissa = round(-math.log2(torch.finfo(live).eps))  # float32: 23 bits, exact integers up to 2**24
+        return torch.iinfo(saved).max > 2 ** (mantissa + 1)
+    return torch.promote_types(saved, live) != live
+
+
 def _say_casts(path: str, casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> None:
     if not casts:
         return
-    lossy = sorted(k for k, (saved, live) in casts.items()
-                   if torch.promote_types(saved, live) != live or (saved.is_floating_point and not live.is_floating_point))
+    lossy = sorted(k for k, (saved, live) in casts.items() if _lossy(saved, live))
     pairs = sorted({f"{str(a).removeprefix('torch.')} -> {str(b).removeprefix('torch.')}" for a, b in casts.values()})
     if lossy:
         log.warning("incluster: load_dcp cast %d tensor(s) of %s to the live state's dtypes (%s), losing precision "
