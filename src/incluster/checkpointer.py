@@ -31,6 +31,7 @@ from incluster.claim import Claim
 from incluster.commit import process_run
 from incluster.errors import CheckpointError, PeerTimeoutError, TierUnavailableError
 from incluster.goodput import events as ev
+from incluster.catch_up import catch_up
 from incluster.handle import SaveHandle
 from incluster.loading import LoadPipeline
 from incluster.saving import SavePipeline
@@ -165,6 +166,11 @@ class Checkpointer(SavePipeline, LoadPipeline):
         # Keyed (timeline, step): a step number saved again after a load() is another save,
         # whose word must not be taken for the upload of the one before it.
         self._uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]] = {}
+        self._newest_due: tuple[int, int, SaveHandle] | None = None  # (timeline, step, handle): newest due save
+        self._newest_durable: tuple[int, int, SaveHandle] | None = None  # (timeline, step, handle)
+        # close() uploads the newest durable step whenever the tier lacks it (catch_up.py);
+        # without it, only when the newest due upload was skipped. The integrations set it.
+        self.persist_last = False
         self._early_persisted: dict[tuple[int, int], str | None] = {}  # upload outcomes told before the commit was handled
         self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
         self._store_server, address, targets, sources, node_folders = wiring.start_store(
@@ -491,6 +497,11 @@ class Checkpointer(SavePipeline, LoadPipeline):
             return
         try:
             self.wait()
+            try:
+                catch_up(self)  # the tier lacks the newest durable step: it goes now
+            except Exception as exc:  # noqa: BLE001 - never close()'s failure
+                log.warning("incluster: rank %d: close() could not upload the newest step to the persistent tier: "
+                            "%s: %s", self.rank, type(exc).__name__, exc)
         finally:
             self._closed = True
             self._guard.close()

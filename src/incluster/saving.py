@@ -81,6 +81,8 @@ class SavePipeline:
     _writer: Writer
     _lock: threading.Lock
     _uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]]
+    _newest_due: tuple[int, int, SaveHandle] | None
+    _newest_durable: tuple[int, int, SaveHandle] | None
     _early_persisted: dict[tuple[int, int], str | None]
     _loaded: bool
     _errors: list[tuple[SaveHandle, BaseException]]
@@ -152,6 +154,8 @@ class SavePipeline:
         if fut.exception() is None:
             path, persist = fut.result()
             if persist:
+                if self._newest_due is None or (job.timeline, job.step) > self._newest_due[:2]:
+                    self._newest_due = (job.timeline, job.step, handle)
                 with self._lock:  # pinned and unpinned under this lock: never pinned after its upload ended
                     early = self._early_persisted.pop((job.timeline, job.step), _NO_WORD)
                     if early is _NO_WORD:
@@ -183,6 +187,8 @@ class SavePipeline:
             return
         self.ring.set_global(job.step)
         self.ring.drop_unheld(job.step)
+        if self._newest_durable is None or (job.timeline, job.step) > self._newest_durable[:2]:
+            self._newest_durable = (job.timeline, job.step, handle)
         handle.durable_s = time.perf_counter() - handle.started
         if self.world_size > 1:
             self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)

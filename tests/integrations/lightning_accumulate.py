@@ -128,6 +128,10 @@ def main() -> None:
     # EarlyStopping ends the fit at the 2nd epoch's end, step 16 (8 steps an epoch), not a multiple of 3
     res["early"] = fit(-1, None, "early", max_epochs=5, early=True)
     res["early_resumed"] = fit(-1, INCLUSTER, "early", max_epochs=5, early=True)
+    # ... and saved every 4 steps, so step 16 is saved as a scheduled one, before the stop is known:
+    # with a persistent tier whose schedule uploads the first save only, close() uploads it
+    res["early_tier"] = fit(-1, None, "early-tier", max_epochs=5, early=True, every=4,
+                            ck=dict(persistent=sys.argv[2], persistent_every=100))
     with open(sys.argv[1], "w") as f:
         json.dump(res, f)
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort it

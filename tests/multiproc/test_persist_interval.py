@@ -31,3 +31,18 @@ def test_time_based_persistent_saves_do_not_tie_writers_to_rank_0(local_dir):
     assert manifests and all(os.path.exists(os.path.join(persist, "interval", n, "COMMITTED.json")) for n in manifests)
     # Rank 1 commits step 4 while rank 0 is still in its slow commit of step 3.
     assert res[1]["local4_s"] < SLOW_S / 2, res[1]
+
+
+CATCH_UP = os.path.join(os.path.dirname(__file__), "close_catch_up_script.py")
+
+
+def test_close_uploads_the_newest_step_on_every_rank_when_due_uploads_were_skipped(local_dir):
+    out, persist = os.path.join(local_dir, "out"), os.path.join(local_dir, "persist")
+    os.makedirs(out)
+    job = launch([CATCH_UP, out, persist], nodes=["n0", "n1"], ranks_per_node=1, base_dir=local_dir)
+    codes = job.wait(150)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    res = [json.load(open(os.path.join(out, f"result-r{r}.json"))) for r in range(2)]
+    assert res[0]["persisted"] == res[1]["persisted"] == [0], res  # 2 and 4 came while 0 uploaded
+    manifest = json.load(open(os.path.join(persist, "catch", "step-000000000005", "COMMITTED.json")))
+    assert sorted(r["rank"] for r in manifest["ranks"]) == [0, 1]

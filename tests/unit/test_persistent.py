@@ -237,7 +237,8 @@ def test_a_persistent_save_due_while_the_previous_uploads_is_skipped(local_dir, 
         second.wait()
         assert second.persisted.result(30) is False
         assert first.persisted.result(30) is True
-    assert _manifests(root) == ["step-000000000000"]
+        assert _manifests(root) == ["step-000000000000"]
+    assert _manifests(root) == ["step-000000000000", "step-000000000001"]  # close() caught the tier up
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
@@ -281,7 +282,8 @@ def test_save_persist_true_waits_for_the_upload_before_it_and_scheduled_ones_ski
         between.wait()
         assert between.persisted.result(30) is False
         assert first.persisted.result(30) is True and last.persisted.result(30) is True
-    assert _manifests(root) == ["step-000000000000", "step-000000000001"]
+        assert _manifests(root) == ["step-000000000000", "step-000000000001"]
+    assert _manifests(root)[-1] == "step-000000000002"  # close() caught the tier up
 
 
 def test_forced_saves_on_a_slow_tier_never_pin_every_slot_nor_leave_threads(local_dir, tmp_path, monkeypatch):
@@ -778,3 +780,32 @@ def test_bytes_corrupted_on_one_read_are_read_again_not_set_aside(local_dir, tmp
     monkeypatch.setattr(FsspecTier, "read", flip_once)
     _restore_from_tier(local_dir, root, 4, 4.0)
     assert flipped and not os.path.exists(os.path.join(root, "p", "step-000000000004", "SET_ASIDE.json"))
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_close_uploads_the_newest_step_when_the_newest_due_upload_was_skipped(local_dir, tmp_path, writer):
+    """Saves quicker than the first upload (an object store's client starting): every due
+    step meanwhile was skipped, and the run ended with the tier at its first step."""
+    from incluster.testing import SlowTier
+    from incluster.tiers.persistent import FsspecTier
+
+    root = str(tmp_path / "persist")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer=writer, persistent=SlowTier(FsspecTier(root),
+                                latency_s=0.4), persistent_every=2) as ck:
+        handles = [ck.save(step, _state(float(step))) for step in range(6)]  # due: 0, 2, 4
+        for h in handles:
+            h.wait()
+        assert handles[4].persisted.result(30) is False  # skipped: step 0 still uploading
+    assert _manifests(root) == ["step-000000000000", "step-000000000005"]
+    _restore_from_tier(local_dir, root, 5, 5.0)
+
+
+def test_persist_last_uploads_the_newest_step_at_close_whatever_the_schedule(local_dir, tmp_path):
+    root = str(tmp_path / "persist")
+    for job, last in (("plain", False), ("last", True)):
+        with incluster.Checkpointer(local_dir=local_dir, job=job, writer="thread", persistent=root,
+                                    persistent_every=100) as ck:
+            ck.persist_last = last
+            for step in range(4):  # only the run's first save is due
+                ck.save(step, _state(float(step))).wait()
+        assert _manifests(root, job) == (["step-000000000000", "step-000000000003"] if last else ["step-000000000000"])

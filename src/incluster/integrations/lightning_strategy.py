@@ -65,6 +65,7 @@ class InclusterStrategyMixin:
             spec = self._incluster_spec
             if spec is None or isinstance(spec, Mapping):
                 self._incluster_ckpt = Checkpointer(**dict(spec or {}))
+                self._incluster_ckpt.persist_last = True  # the fit's last step outlives the nodes: catch_up.py
             else:
                 made = spec()
                 if not isinstance(made, Checkpointer):

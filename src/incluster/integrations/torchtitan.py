@@ -125,6 +125,7 @@ class InclusterCheckpointManager(CheckpointManager):
             if self._closed:
                 raise RuntimeError("this checkpoint manager is closed; build a new one")
             self._incluster = Checkpointer(**self._options)
+            self._incluster.persist_last = True  # the run's last step outlives the nodes: catch_up.py
         return self._incluster
 
     # -- torchtitan's hooks ---------------------------------------------------------------

@@ -124,6 +124,7 @@ class InclusterTrainerMixin:
             import incluster
 
             self._ic_checkpointer, self._ic_owned = incluster.Checkpointer(**self._ic_options), True
+            self._ic_checkpointer.persist_last = True  # the run's last step outlives the nodes: catch_up.py
         return self._ic_checkpointer
 
     # -- train --------------------------------------------------------------------------

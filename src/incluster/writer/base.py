@@ -32,6 +32,12 @@ class Writer(Protocol):
         """Re-send a restored step's replicas in the background (every rank's writer)."""
         ...
 
+    def persist_again(self, folder: str, step: int, timeline: int) -> None:
+        """Upload this rank's committed shard of ``step`` (saved after ``timeline`` loads)
+        now, whatever the schedule; every rank asks alike. The word comes as for any
+        upload, with the timeline ``protocol.AGAIN + timeline``. The caller pins its slot."""
+        ...
+
     def close(self, timeout: float) -> None:
         """Finish what was submitted, then stop."""
         ...

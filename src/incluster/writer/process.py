@@ -157,6 +157,12 @@ class ProcessWriter:
         _, args = reduce_tensor(buf)
         self._send(Message(Kind.DEVICE_BUFFER, self.gen, payload=(buf_id, args, buf.device.index or 0, slots)))
 
+    def persist_again(self, folder: str, step: int, timeline: int) -> None:
+        try:
+            self._send(Message(Kind.PERSIST_AGAIN, self.gen, step=step, payload=(folder, timeline)))
+        except OSError:
+            pass  # a dead writer: close() reports the upload as not made
+
     def replicate(self, folder: str, step: int) -> None:
         """Re-send ``step``'s replicas in the background (after a restore)."""
         try:

@@ -28,6 +28,10 @@ class Kind(enum.Enum):
     DEVICE_BUFFER = "device_buffer"  # trainer -> writer: (id, CUDA IPC args, device, slots to page-lock)
     DEVICE_READY = "device_ready"  # writer -> trainer: the buffer is open (payload: id; error: why not)
     DRAINED = "drained"  # writer -> trainer: done reading the device-side snapshot for this step
+    PERSIST_AGAIN = "persist_again"  # trainer -> writer: upload a committed step now (payload: (folder, timeline))
+
+
+AGAIN = 1 << 20  # the timeline of a committed step's upload made again (its job-store keys apart)
 
 
 @dataclass(frozen=True)

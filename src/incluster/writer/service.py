@@ -226,6 +226,47 @@ class CommitService:
             if mm is not None:
                 mm.close()
 
+    def upload_committed(self, folder: str, step: int, timeline: int, done: Any) -> None:
+        """Upload this rank's committed shard of ``step`` now (close() catching the tier
+        up: the newest due upload was skipped), in its own job-store keys
+        (``protocol.AGAIN + timeline``). ``done(err)`` as for any upload."""
+        import json
+
+        from incluster.format.checksum import content_id
+        from incluster.format.sidecar import read_sidecar
+        from incluster.replication import OwnShard
+        from incluster.staging.slots import sidecar_file
+        from incluster.tiers.local import data_path
+        from incluster.writer.protocol import AGAIN
+
+        if self.uploader is None:
+            done("skipped: no persistent tier")
+            return
+        try:
+            sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
+            fd = os.open(data_path(folder, sc), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                size = os.fstat(fd).st_size
+                mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+            finally:
+                os.close(fd)
+        except (OSError, CheckpointError) as exc:
+            done(f"the committed copy of step {step} cannot be read here: {exc}")
+            return
+        own = OwnShard(json.dumps(sc.to_json()).encode(), mm if mm is not None else b"", size, content_id(sc.checksum))
+
+        def ended(err: str | None) -> None:
+            try:
+                done(err)
+            finally:
+                if mm is not None:
+                    try:
+                        mm.close()
+                    except BufferError:
+                        pass  # a view of it is still alive: it closes with it
+        if not self.uploader.start(step, own.sidecar, own.buf, own.size, ended, AGAIN + timeline, forced=True):
+            ended("skipped: the writer is shutting down")
+
     def on_outcome(self, step: int) -> None:
         if self.replicator is not None:
             self.replicator.set_global(step)

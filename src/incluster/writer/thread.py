@@ -100,6 +100,11 @@ class ThreadWriter:
 
         self._commit.submit(self._repl.submit, run)  # in order behind commits in flight
 
+    def persist_again(self, folder: str, step: int, timeline: int) -> None:
+        from incluster.writer.protocol import AGAIN
+
+        self._service.upload_committed(folder, step, timeline, lambda err: self._persisted(step, err, AGAIN + timeline))
+
     def fail(self, step: int, reason: str, seq: tuple[int, int, int] | None = None) -> None:
         self._service.fail(step, reason, None if seq is None else seq[2])
         try:

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Callable
 
 from incluster.errors import StoreLostError
-from incluster.writer.protocol import Kind, Message, WriterParams
+from incluster.writer.protocol import AGAIN, Kind, Message, WriterParams
 
 if TYPE_CHECKING:
     from incluster.writer.local_commit import CommitRequest
@@ -186,6 +186,12 @@ def serve(conn: Connection) -> None:
             except Exception as exc:  # noqa: BLE001 - e.g. CUDA cannot start here
                 err_text = f"{type(exc).__name__}: {exc}"
             send(Message(Kind.DEVICE_READY, gen, payload=msg.payload[0], error=err_text))
+        elif msg.kind is Kind.PERSIST_AGAIN:  # behind the commits before it
+            def again(step: int = msg.step, folder: str = msg.payload[0], timeline: int = msg.payload[1]) -> None:
+                service.upload_committed(folder, step, timeline, lambda err: send(
+                    Message(Kind.PERSISTED, gen, 0, step, payload=AGAIN + timeline, error=err)))
+
+            commits.put(again)
         elif msg.kind is Kind.REPLICATE:  # in order with the commits before it
             commits.put(partial(replicas.put, partial(re_replicate, msg.step, msg.payload)))
         elif msg.kind is Kind.SHUTDOWN:
