@@ -90,6 +90,7 @@ def main() -> int:
             rep = ck.last_restore
             res["source"] = rep.source if rep else None
             res["notes"] = rep.notes if rep else []
+            res["line"] = rep.line() if rep else ""
             res["position"] = state["loader"]["position"]
             res["wire_peak"] = wire_peak[0] if wire_peak else None
             full = full_state(model, optim)

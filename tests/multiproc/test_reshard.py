@@ -125,6 +125,7 @@ def test_every_node_lost_three_ranks_reshard_from_the_persistent_tier(local_dir,
     _same_full_state(out)
     assert [r["loaded"] for r in res] == [3, 3, 3] and {r["source"] for r in res} == {"reshard"}, res
     assert all("old shards fetched from the persistent tier" in r["notes"] for r in res), res
+    assert all("from the persistent tier, resharded" in r["line"] for r in res), res  # not "the cluster's RAM"
     assert all(r["step4"] == "durable" for r in res)
 
 

@@ -70,13 +70,14 @@ class RestoreReport:
     seconds: float = 0.0
     rounds: int = 0
     old_world: int | None = None  # resharded: the world size that saved the step
+    from_tier: bool = False  # resharded: the old shards came from the persistent tier first
     notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         if self.step is None:
             return f"incluster restore: rank {self.rank} on {self.node}: nothing to restore"
         if self.source == "reshard":
-            src = "the cluster's RAM, resharded"
+            src = "the persistent tier, resharded" if self.from_tier else "the cluster's RAM, resharded"
         elif self.source == "local":
             src = "its own node's RAM"
         elif self.source == "persistent":
@@ -178,6 +179,7 @@ class _Run:
                 continue
             if mine.world is not None and (mine.world != ctx.world_size or mine.reshard):
                 self.dirty, self.loaded = self.dirty or self.loaded is not None, None
+                report.from_tier = mine.persistent is not None
                 if mine.persistent is not None:  # tier 2 first: each old shard into one node's RAM
                     problem = fetch_old_shards(ctx, mine.step, mine.persistent.get("reshard", []), mine.world)
                     report.notes.append("old shards fetched from the persistent tier")
