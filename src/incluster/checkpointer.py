@@ -27,7 +27,7 @@ import torch
 from incluster import config as _config
 from incluster import ramdisk, reserve
 from incluster import wiring
-from incluster.claim import Claim
+from incluster.claim import Claim, refuse_shared_folder
 from incluster.commit import process_run
 from incluster.errors import CheckpointError, PeerTimeoutError, TierUnavailableError
 from incluster.goodput import events as ev
@@ -176,6 +176,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._store_server, address, targets, sources, node_folders = wiring.start_store(
             self.config, self.rank, self.world_size)
         self._store_address = address
+        if address is not None and self.world_size > 1:
+            refuse_shared_folder(os.path.dirname(self.folder), self.rank, self.config.node, address.run)
         # This run's timelines (recovery/lineage.py): rank 0's clock, shared with the address
         self._began = address.started if address is not None and address.started else time.time_ns()
         self._lineage = (self._began, 0, -1)

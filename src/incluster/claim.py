@@ -119,3 +119,31 @@ def claimed(job_folder: str, rank: int) -> bool:
     finally:
         os.close(fd)  # drops the probe's lock, if it got one (no other lock of this process is on it)
     return False
+
+
+def refuse_shared_folder(job_folder: str, rank: int, node: str, run: str) -> None:
+    """Two node names of one run writing one RAM folder (a ``local_dir`` on a shared
+    filesystem, or two simulated nodes given the same one) would take each other's files
+    for replicas and for their own: opaque commit failures, hangs. Each rank records its
+    node under this run's id; a record of this run naming another node is refused, naming
+    both. (Of two ranks starting at once, the later one to look sees the other's.)"""
+    mine = os.path.join(job_folder, f"{_NODE}{rank:05d}")
+    with open(mine, "w") as f:
+        f.write(f"{run}\n{node}\n")
+    for name in os.listdir(job_folder):
+        if not name.startswith(_NODE) or name == os.path.basename(mine):
+            continue
+        try:
+            with open(os.path.join(job_folder, name)) as f:
+                their_run, their_node = (f.read().split("\n") + ["", ""])[:2]
+        except OSError:
+            continue
+        if their_run == run and their_node != node:
+            raise CheckpointError(
+                f"{job_folder} is written by node {their_node!r} (rank {name[len(_NODE):].lstrip('0') or '0'}) and "
+                f"by node {node!r} (rank {rank}) of this run: each node needs a RAM folder of its own, or the nodes "
+                f"take each other's files for copies. Point local_dir (INCLUSTER_LOCAL_DIR) at the node's own RAM "
+                f"disk (e.g. /dev/shm/incluster), not a shared filesystem, or give ranks of one host one node name")
+
+
+_NODE = ".node-"

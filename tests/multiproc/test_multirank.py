@@ -57,8 +57,9 @@ def test_four_ranks_on_two_nodes_thread_writer(local_dir):
     # node b keeps its own ranks' shards and the replicas of node a's ranks (and vice versa)
     names = sorted(os.listdir(os.path.join(local_dir, "b", "mp")))
     assert [n for n in names if not n.startswith(".")] == [f"rank-0000{r}" for r in range(4)]
-    # its own ranks' reserves and claims
-    assert [n for n in names if n.startswith(".")] == [".claim-00002", ".claim-00003", ".reserve-00002", ".reserve-00003"]
+    # its own ranks' reserves, claims and node records
+    assert [n for n in names if n.startswith(".")] == [".claim-00002", ".claim-00003", ".node-00002", ".node-00003",
+                                                       ".reserve-00002", ".reserve-00003"]
     for node, owners in (("b", (0, 1)), ("a", (2, 3))):
         for owner in owners:
             sc = json.load(open(os.path.join(local_dir, node, "mp", f"rank-0000{owner}", "step-000000000004.json")))

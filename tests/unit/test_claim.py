@@ -100,3 +100,18 @@ def test_a_job_folder_this_process_cannot_write_is_named_with_the_fix(local_dir,
     monkeypatch.setattr(claim.os, "open", refuse)
     with pytest.raises(incluster.CheckpointError, match="cannot write this job's folder.*Permission denied.*point local_dir"):
         incluster.Checkpointer(local_dir=local_dir, job="ro", writer="thread")
+
+
+def test_two_node_names_of_one_run_in_one_ram_folder_are_refused_naming_both(local_dir):
+    """A local_dir on a shared filesystem (or two simulated nodes given one): each node took
+    the other's files for copies; commits failed with vanished files, and a fit hung."""
+    from incluster.claim import refuse_shared_folder
+
+    folder = os.path.join(local_dir, "job")
+    os.makedirs(folder)
+    refuse_shared_folder(folder, 0, "nA", "run-1")
+    refuse_shared_folder(folder, 1, "nA", "run-1")  # two ranks of one node: its folder
+    refuse_shared_folder(folder, 2, "nB", "run-0")  # an earlier run's record is no evidence...
+    refuse_shared_folder(folder, 2, "nA", "run-1")  # ... and is overwritten by this run's
+    with pytest.raises(incluster.CheckpointError, match=r"written by node 'nA' \(rank [012]\) and by node 'nB' \(rank 3\)"):
+        refuse_shared_folder(folder, 3, "nB", "run-1")
