@@ -201,6 +201,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             persist=wiring.persist_params(self.config, self.rank, self.world_size,
                                           address.run if address is not None else process_run()),
             node_folders=node_folders,
+            log_level=log.getEffectiveLevel(),
         )
         self.replica_targets = targets
         self._stager.replica_slots = len(sources) * self.config.keep  # partners' shards held here

@@ -809,3 +809,23 @@ def test_persist_last_uploads_the_newest_step_at_close_whatever_the_schedule(loc
             for step in range(4):  # only the run's first save is due
                 ck.save(step, _state(float(step))).wait()
         assert _manifests(root, job) == (["step-000000000000", "step-000000000003"] if last else ["step-000000000000"])
+
+
+def test_a_writer_process_logs_at_the_trainers_level(local_dir, tmp_path):
+    """The writer process says later skips at INFO; a trainer logging INFO never saw them."""
+    import subprocess
+    import sys
+
+    script = f"""
+import logging, torch, incluster
+from incluster.testing import SlowTier
+from incluster.tiers.persistent import FsspecTier
+logging.basicConfig(level=logging.INFO)
+with incluster.Checkpointer(local_dir={local_dir!r}, job="p", writer="process", persistent_every=1,
+                            persistent=SlowTier(FsspecTier({str(tmp_path / "persist")!r}), latency_s=0.5)) as ck:
+    for step in range(4):
+        ck.save(step, {{"w": torch.full((1000,), float(step))}}).wait()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipped so far" in proc.stderr and "(writer process)" in proc.stderr, proc.stderr[-3000:]

@@ -64,3 +64,4 @@ class WriterParams:
     persist: PersistParams | None = None
     incarnation: int = 0  # 0: the rank's first writer; n: started again after n deaths
     node_folders: tuple[int, ...] | None = None  # the node's lowest rank: the ranks whose folders belong here
+    log_level: int = 30  # the trainer's level for the "incluster" logger: a writer process logs at it too

@@ -40,6 +40,20 @@ def _die_with_parent() -> None:
         pass  # not Linux: pipe EOF still ends us
 
 
+def _log_like_the_trainer(level: int) -> None:
+    """A trainer that logs incluster's INFO lines (skipped uploads, ...) sees this process's
+    too, on the stderr both share; WARNING and above show either way."""
+    import logging
+
+    log = logging.getLogger("incluster")
+    log.setLevel(level)
+    if level < logging.WARNING and not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s (writer process)"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
 def serve(conn: Connection) -> None:
     from incluster.writer.service import CommitService
 
@@ -48,6 +62,7 @@ def serve(conn: Connection) -> None:
         raise SystemExit("incluster writer: bad handshake")
     params: WriterParams = hello.payload
     gen = params.gen
+    _log_like_the_trainer(params.log_level)
     lock = threading.Lock()
 
     def send(msg: Message) -> None:
