@@ -11,10 +11,15 @@ first step - while the cluster's RAM, gone with the job's nodes, held newer ones
 - ``persist_last`` is set (the integrations set it) and the tier does not have it.
 
 Every rank decides from the same facts - which steps were due, which are durable, each
-upload's published outcome - so every rank uploads its shard, or none does. The slot of
+upload's published outcome - so every rank uploads its shard, or none does. An upload
+that failed, or whose word does not come within half of close()'s wait, adds nothing (a
+failing tier gets no more uploads; close() stays within ``slot_timeout_s``). The slot of
 that step stays put (no save runs during close()) and is pinned until the upload ends;
-the writer uploads it from the committed files in job-store keys of its own, and
-``close()`` waits for it like any upload (up to ``slot_timeout_s``).
+the writer uploads it from the committed files in job-store keys of its own, never
+removing a manifest of it (``Uploader._open_step``), and ``close()`` waits for it like any
+upload. Limits: a rank whose word comes later than another's (an upload longer than half
+of ``slot_timeout_s``), or whose close() raises an earlier failure, decides alone; the
+others' catch-up then waits for its shard until close() gives up (bounded, no manifest).
 """
 
 from __future__ import annotations
@@ -25,27 +30,37 @@ import time
 from typing import Any
 
 from incluster.handle import SaveHandle
+from incluster.persist import NOT_DUE
 from incluster.staging.slots import SlotState
 
 log = logging.getLogger("incluster")
 
 
-def catch_up(ckpt: Any) -> SaveHandle | None:
-    """After ``wait()`` in close(): start the upload the tier lacks, if any; its handle."""
+def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
+    """After ``wait()`` in close(): start the upload the tier lacks, if any; its handle.
+    Decided only from words every rank gets alike: a due upload skipped (published by the
+    rank that skipped it), a step not due. An upload that failed, or whose word has not come
+    by ``deadline`` (close()'s own, shared with the writer's close), adds nothing: a failing
+    tier gets no more uploads, and close() stays within ``slot_timeout_s``."""
     if ckpt.config.persistent is None or ckpt._newest_durable is None:
         return None
     timeline, step, handle = ckpt._newest_durable
     due = ckpt._newest_due
-    deadline = time.monotonic() + ckpt.config.slot_timeout_s  # one wait for both words (a hung tier: none)
-    outcome = _outcome(due[2], deadline) if due is not None else None
-    mine = _outcome(handle, deadline)
-    if mine is True:
-        return None  # the newest durable step is in the tier
-    skipped = due is not None and outcome is False
-    if not (skipped or ckpt.persist_last):
+    if due is None and not ckpt.persist_last:
         return None
+    # Half of close()'s wait at most: the rest is the writer's, for the uploads in flight.
+    grace = time.monotonic() + (deadline - time.monotonic()) / 2
+    if not (handle.persisted.done() and (due is None or due[2].persisted.done())):
+        log.info("incluster: rank %d: close() waits up to %.0f s for the word of the persistent upload in flight",
+                 ckpt.rank, max(0.0, grace - time.monotonic()))
+    due_word = _word(due[2], grace) if due is not None else False
+    if due_word is None:
+        return None  # the newest due upload failed, or its word did not come: no more uploads to that tier
+    skipped = due is not None and due_word is False and (due[2].skip_word or NOT_DUE) != NOT_DUE  # not "not due"
+    if _word(handle, grace) is not False or not (skipped or ckpt.persist_last):
+        return None  # in the tier already, failed, no word; or nothing asks for it
     slot = next((s for s in ckpt.ring.slots if s.step == step and s.state is SlotState.COMMITTED), None)
-    if slot is None:  # cannot happen on a live ring (the newest durable step is never reused)
+    if slot is None:  # the newest durable step is never reused; a load() since may have dropped it
         log.warning("incluster: rank %d: close() cannot find step %d in its slots; the persistent tier stays at "
                     "what it has", ckpt.rank, step)
         return None
@@ -62,10 +77,10 @@ def catch_up(ckpt: Any) -> SaveHandle | None:
     return again
 
 
-def _outcome(handle: SaveHandle, deadline: float) -> bool | None:
+def _word(handle: SaveHandle, deadline: float) -> bool | None:
     """The upload's word (True: in the tier, False: skipped or not due), None if it failed
-    or did not come by ``deadline``: close() then adds no upload to a failing tier."""
+    or did not come by ``deadline``."""
     try:
         return handle.persisted.result(max(0.0, deadline - time.monotonic()))
-    except (concurrent.futures.TimeoutError, Exception):  # noqa: BLE001 - a failed upload: no catch-up
+    except (concurrent.futures.TimeoutError, Exception):  # noqa: BLE001 - failed, or no word yet
         return None

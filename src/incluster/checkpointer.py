@@ -498,10 +498,12 @@ class Checkpointer(SavePipeline, LoadPipeline):
     def _close(self) -> None:
         if self._closed:
             return
+        deadline = time.monotonic() + self.config.slot_timeout_s  # close()'s wait for uploads, all of it
         try:
             self.wait()
+            deadline = time.monotonic() + self.config.slot_timeout_s  # from the last save's end
             try:
-                catch_up(self)  # the tier lacks the newest durable step: it goes now
+                catch_up(self, deadline)  # the tier lacks the newest durable step: it goes now
             except Exception as exc:  # noqa: BLE001 - never close()'s failure
                 log.warning("incluster: rank %d: close() could not upload the newest step to the persistent tier: "
                             "%s: %s", self.rank, type(exc).__name__, exc)
@@ -516,7 +518,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 log.info("incluster: rank %d: close() waits for the persistent upload of step(s) %s (up to %.0f s, "
                          "slot_timeout_s)", self.rank, uploading, self.config.slot_timeout_s)
             with self._writer_lock:  # not while a dead writer's successor is starting
-                self._writer.close(self.config.slot_timeout_s)
+                self._writer.close(max(1.0, deadline - time.monotonic()))
             with self._lock:
                 left = list(self._uploads)
             for timeline, step in left:  # never left pending: the writer is gone

@@ -35,6 +35,7 @@ class SaveHandle:
     committed_s: float | None = None
     durable_s: float | None = None
     reported: bool = False  # its error reached the caller; the Checkpointer won't raise it again
+    skip_word: str | None = None  # why ``persisted`` is False: the upload's "skipped: ..." word
     deadline_s: float | None = None  # wait() without a timeout gives up this long after save()
 
     def wait_staged(self, timeout: float | None = None) -> None:

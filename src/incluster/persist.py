@@ -32,6 +32,7 @@ from incluster.tiers.persistent import open_tier
 
 log = logging.getLogger("incluster")
 NOT_DUE = "skipped: not due (persistent_interval_s)"
+AGAIN = 1 << 20  # the timeline of a committed step's upload made again (catch_up.py): its job-store keys apart
 CANCELLED = "cancelled: close() ended the upload"
 
 
@@ -446,6 +447,8 @@ class Uploader:
         newer = sorted(s for s in steps if s > step)
         listing = self.tier.list(step_dir(self.p.job, step)) if step in steps else []
         here = MANIFEST in listing
+        if self._timeline >= AGAIN:  # close() uploading a step this run committed (catch_up.py): its own step
+            return  # a manifest of it is this run's (never removed: the upload may be cut short by close())
         if not self.loaded and (newer or here):
             raise CheckpointError(
                 f"the persistent tier already holds step(s) {newer or [step]} of job {self.p.job!r}, as new as this "

@@ -266,6 +266,7 @@ class SavePipeline:
             handle.persisted.set_result(True)
         elif err.startswith("skipped"):
             self.events.record(ev.PERSIST_FAILED, step=step, error=err, skipped=True)
+            handle.skip_word = err
             handle.persisted.set_result(False)
         else:
             self.events.record(ev.PERSIST_FAILED, step=step, error=err, skipped=False)

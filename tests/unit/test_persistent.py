@@ -482,7 +482,7 @@ def test_close_with_an_upload_that_never_ends_is_bounded_and_resolves_persisted(
     monkeypatch.setenv(*next(iter(faults.env().items())))
     root = str(tmp_path / "persist")
     ck = incluster.Checkpointer(local_dir=local_dir, job="p", writer=writer, persistent=root, persistent_every=1,
-                                slot_timeout_s=3.0)
+                                slot_timeout_s=6.0)
     h = ck.save(0, _state(0.0))
     h.wait(30)
     deadline = time.monotonic() + 30
@@ -829,3 +829,78 @@ with incluster.Checkpointer(local_dir={local_dir!r}, job="p", writer="process", 
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "skipped so far" in proc.stderr and "(writer process)" in proc.stderr, proc.stderr[-3000:]
+
+
+class _ScriptedTier:
+    """The local tier; shard writes sleep as scripted (one entry per write), or every
+    write is refused (``down``)."""
+
+    def __init__(self, root, sleeps=(), down=False):
+        from incluster.tiers.persistent import FsspecTier
+
+        self.inner, self.sleeps, self.down, self.writes = FsspecTier(root), list(sleeps), down, []
+        self.posix, self.url = True, root
+
+    def write(self, path, data, *, atomic=True):
+        self.writes.append(path)
+        if self.down:
+            raise ConnectionRefusedError(111, "Connection refused")
+        if path.endswith(".safetensors") and self.sleeps:
+            time.sleep(self.sleeps.pop(0))
+        return self.inner.write(path, data, atomic=atomic)
+
+    def read(self, path, into=None):
+        return self.inner.read(path, into)
+
+    def delete(self, path):
+        return self.inner.delete(path)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_close_never_uploads_again_a_step_whose_upload_had_no_word_yet(local_dir, tmp_path):
+    """The newest step's own upload ended just after close() stopped waiting for its word:
+    a second upload of it (persist_last) removed the manifest the first had just written,
+    and close() cut it short - the tier lost its newest step."""
+    root = str(tmp_path / "persist")
+    ck = incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=_ScriptedTier(root, [4.0]),
+                                persistent_every=1, slot_timeout_s=6.0)  # the word comes after close()'s 3 s
+    ck.persist_last = True
+    assert ck.load(_state(0.0)) is None  # resume-or-start, as the integrations do
+    h = ck.save(0, _state(0.0))
+    h.wait()
+    ck.close()
+    assert h.persisted.result(10) is True and _manifests(root) == ["step-000000000000"]
+
+
+def test_close_with_a_hung_upload_waits_about_slot_timeout_s_not_twice(local_dir, tmp_path):
+    ck = incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent_every=1, slot_timeout_s=4.0,
+                                persistent=_ScriptedTier(str(tmp_path / "persist"), [30.0]))
+    ck.save(0, _state(0.0)).wait()
+    t0 = time.monotonic()
+    ck.close()
+    assert time.monotonic() - t0 < 6.0
+
+
+def test_close_adds_no_upload_to_a_failing_tier_nor_for_steps_interval_mode_did_not_want(local_dir, tmp_path):
+    down = _ScriptedTier(str(tmp_path / "down"), down=True)
+    ck = incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=down, persistent_every=1,
+                                slot_timeout_s=30)
+    ck.persist_last = True
+    h = ck.save(0, _state(0.0))
+    h.wait()
+    with pytest.raises(incluster.TierUnavailableError):
+        h.persisted.result(30)
+    tried = len(down.writes)
+    ck.close()
+    assert len(down.writes) == tried
+    root = str(tmp_path / "persist")  # persistent_interval_s: "not due" is no skip to catch up
+    with incluster.Checkpointer(local_dir=local_dir, job="q", writer="thread", persistent=root,
+                                persistent_interval_s=3600) as ck:
+        for step in range(4):
+            ck.save(step, _state(float(step))).wait()
+    assert _manifests(root, "q") == ["step-000000000000"]

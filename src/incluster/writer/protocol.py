@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from incluster.commit import StoreAddress
-from incluster.persist import PersistParams
+from incluster.persist import AGAIN, PersistParams  # noqa: F401 - AGAIN: the writers' name for it
 
 
 class Kind(enum.Enum):
@@ -29,9 +29,6 @@ class Kind(enum.Enum):
     DEVICE_READY = "device_ready"  # writer -> trainer: the buffer is open (payload: id; error: why not)
     DRAINED = "drained"  # writer -> trainer: done reading the device-side snapshot for this step
     PERSIST_AGAIN = "persist_again"  # trainer -> writer: upload a committed step now (payload: (folder, timeline))
-
-
-AGAIN = 1 << 20  # the timeline of a committed step's upload made again (its job-store keys apart)
 
 
 @dataclass(frozen=True)
