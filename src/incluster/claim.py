@@ -128,7 +128,8 @@ def refuse_shared_folder(job_folder: str, rank: int, node: str, run: str) -> Non
     node under this run's id; a record of this run naming another node is refused, naming
     both. (Of two ranks starting at once, the later one to look sees the other's.)"""
     mine = os.path.join(job_folder, f"{_NODE}{rank:05d}")
-    with open(mine, "w") as f:
+    fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)  # never a link's target
+    with os.fdopen(fd, "w") as f:
         f.write(f"{run}\n{node}\n")
     for name in os.listdir(job_folder):
         if not name.startswith(_NODE) or name == os.path.basename(mine):
