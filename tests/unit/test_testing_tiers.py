@@ -90,7 +90,8 @@ def test_a_slow_store_makes_a_due_save_skip_not_wait(local_dir, tmp_path):
         second.wait()
         assert second.persisted.result(60) is False
         assert first.persisted.result(60) is True
-    assert _manifested(root) == ["step-000000000000"]
+        assert _manifested(root) == ["step-000000000000"]
+    assert _manifested(root) == ["step-000000000000", "step-000000000001"]  # close() caught the tier up
 
 
 def test_an_unpicklable_tier_with_a_writer_process_names_the_fix(local_dir):
