@@ -478,16 +478,20 @@ class SlotRing:
         mapping gone; the slot stays in the ring, free, made again if it is taken."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.folder, sidecar_file(slot.step)))  # type: ignore[arg-type]
+        self._let_go(slot)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot.path)
+        slot.path = os.path.join(self.folder, f"{STAGING_PREFIX}{slot.index}")
+        slot.state, slot.step, slot.size = SlotState.FREE, None, 0
+
+    def _let_go(self, slot: Slot) -> None:
+        """Unregister (page-locked memory), unmap and close the slot's file."""
         if self._on_unmap is not None and slot.buf is not None:
             self._on_unmap(slot)
         slot.unmap()
         if slot.fd >= 0:
             os.close(slot.fd)
             slot.fd = -1
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(slot.path)
-        slot.path = os.path.join(self.folder, f"{STAGING_PREFIX}{slot.index}")
-        slot.state, slot.step, slot.size = SlotState.FREE, None, 0
 
     def committed_steps(self) -> list[int]:
         with self._cond:
@@ -496,9 +500,4 @@ class SlotRing:
     def close(self) -> None:
         with self._cond:
             for s in self.slots:
-                if self._on_unmap is not None and s.buf is not None:
-                    self._on_unmap(s)
-                s.unmap()
-                if s.fd >= 0:
-                    os.close(s.fd)
-                    s.fd = -1
+                self._let_go(s)
