@@ -406,9 +406,7 @@ class SavePipeline:
         """Staging thread: ``Checkpointer.prepare`` (``device``: also the device-side
         snapshot buffer; not when ``load()`` prepares, before training has shown how much
         GPU memory it needs)."""
-        from incluster.state import flatten_snapshot
-
-        flat = flatten_snapshot(snap, allow_pickle=self.config.allow_pickle)
+        flat = self._stager.flattener.flatten(snap)
         layout = self._stager.layouts.get(tuple(flat.specs))
         if device:
             self._stager.prepare_for(flat.tensors, layout)

@@ -69,7 +69,6 @@ class Slot:
     buf: torch.Tensor | None = None  # uint8 view of the whole mapping
     header_fp: str | None = None  # layout whose header is written in the file
     views: list[torch.Tensor] = field(default_factory=list)
-    raw_views: list[Any] = field(default_factory=list)  # numpy uint8 views, same entries
     maps: int = 0  # how many times this slot was (re)mapped: stays 1 while sizes match
     pinned: bool = False  # mapping registered with CUDA as page-locked memory
     pinned_on: int | None = None  # the GPU whose context registered it
@@ -77,7 +76,6 @@ class Slot:
 
     def unmap(self) -> None:
         self.views = []
-        self.raw_views = []
         self.buf = None
         if self.mm is not None:
             try:
