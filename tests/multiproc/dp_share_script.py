@@ -55,6 +55,7 @@ def main() -> int:
             res["loaded"] = ck.load(state)
             res["own"] = state["own"]
             res["notes"] = ck.last_restore.notes if ck.last_restore else []
+            res["source"] = ck.last_restore.source if ck.last_restore else None
             saved = torch.load(os.path.join(out_dir, f"model-r{rank}.pt"))
             res["equal"] = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
             res["optim_state"] = len(optim.state)

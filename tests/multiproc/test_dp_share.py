@@ -60,6 +60,14 @@ def test_identical_shards_share_replicas_and_restore_a_lost_node(local_dir):
     notes = [n for r in res for n in r["notes"]]
     assert any("failed verification" in n for n in notes), notes
     assert any("from the identical shard of rank" in n for n in notes), notes
+    # the healed copies are each node's own bytes now (a shared copy's record once came along
+    # and pointed at the sender's neighbour's file on the healed node): read locally, as saved
+    for node, r in (("spare", 1), ("n2", 2)):
+        sc = read_sidecar(_step(local_dir, node, r, "json"))
+        assert "shared_with" not in sc.extra and "replica_on" not in sc.extra, (node, sc.extra)
+    again = _run(local_dir, out, "again", ["n0", "spare", "n2", "n3"])
+    assert [r["loaded"] for r in again] == [2] * 4 and all(r["equal"] for r in again), again
+    assert [r["source"] for r in again] == ["local"] * 4, [(r["source"], r["notes"]) for r in again]
 
 
 def test_one_replica_lost_node_and_corrupt_shared_copy_rebuilt_from_another_peer(local_dir):

@@ -107,6 +107,9 @@ def parse_received_sidecar(raw: bytes, where: str, *, rank: int, step: int, job:
     return sc
 
 
+_WHERE_KEPT = ("shared_with", "replica_on")
+
+
 def commit_received(
     ring: Any, slot: Any, sc: Sidecar, where: str, *, node: str | None = None, verified: bool = False, **extra: Any
 ) -> Sidecar:
@@ -117,7 +120,11 @@ def commit_received(
     The paths are derived here from the step, never taken from the sender."""
     if not verified:
         verify(slot.mm if slot.mm is not None else b"", sc.checksum, where)
-    changes: dict[str, Any] = {"shard": step_file(sc.step), "extra": {**sc.extra, **extra}}
+    # The slot holds bytes of its own now: where the sender's record kept them (a shared
+    # copy's ``shared_with``, a replica's ``replica_on``) says nothing about this copy. A
+    # kept ``shared_with`` sent every reader to a neighbour's file that is not on this node.
+    own = {k: v for k, v in sc.extra.items() if k not in _WHERE_KEPT}
+    changes: dict[str, Any] = {"shard": step_file(sc.step), "extra": {**own, **extra}}
     if node is not None:
         changes["node"] = node
     committed = dataclasses.replace(sc, **changes)
