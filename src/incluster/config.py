@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from incluster.tiers.local import check_job
 
 DEFAULT_LOCAL_DIR = "/dev/shm/incluster"
+MAX_KEEP = 64  # steps kept in RAM per rank: each is a whole copy of the shard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,11 +83,15 @@ class Config:
         check_job(self.job)
         if not isinstance(self.replicas, int) or self.replicas < 0:
             raise ValueError(f"replicas must be an integer >= 0 (got {self.replicas!r})")
-        if not isinstance(self.keep, int) or self.keep < 2:
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 2:
             raise ValueError(
                 f"keep must be an integer >= 2 (got {self.keep!r}): one slot always holds the newest "
                 f"complete step, so a save needs at least one more"
             )
+        if self.keep > MAX_KEEP:
+            raise ValueError(
+                f"keep must be at most {MAX_KEEP} (got {self.keep!r}): each kept step is a whole copy of the "
+                f"shard in the node's RAM; keep older steps in the persistent tier (persistent_keep)")
         for name in ("slot_timeout_s", "persistent_interval_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):

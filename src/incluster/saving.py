@@ -306,6 +306,7 @@ class SavePipeline:
         if job.drain is not None and self._stager.remote is not None:
             self._stager.remote.done(job.step)  # a failed drain stopped reading; a dead writer reads nothing
         self.ring.fail(job.slot, job.step)  # one locked transition: no save can take it half way
+        self._fit_ring(exc, job.layout.total_size if job.layout is not None else 0)
         self._tell_failed(job, handle, err)
 
     def _tell_failed(self, job: StageJob, handle: SaveHandle, err: BaseException) -> None:
@@ -388,6 +389,23 @@ class SavePipeline:
         except Exception as exc:  # noqa: BLE001 - they then fail a step or two instead
             log.warning("incluster: rank %d could not tell its partners about its writer: %s", self.rank, exc)
 
+    def _fit_ring(self, exc: BaseException, size: int) -> bool:
+        """A new slot got no RAM (``exc``): keep as many steps as the RAM disk holds,
+        saying so once, so later saves reuse the slots that have room (the newest
+        committed step always stays) rather than failing on the empty one. True when the
+        ring was made smaller."""
+        if not getattr(exc, "no_room", False):
+            return False
+        asked = self.ring.keep
+        fits = self.ring.leave_out_unallocated()
+        if fits is None:
+            return False
+        log.warning(
+            "incluster: rank %d: the RAM disk holding %s has no room for %d checkpoint slots of %.1f MiB; keeping "
+            "%d from now on (each save reuses the oldest); lower keep (or replicas), free space there, or point "
+            "local_dir elsewhere", self.rank, self.folder, asked, size / 2**20, fits)
+        return True
+
     def _warm(self, layout: Any) -> None:
         """Staging thread, off the training path: create the slots the ring still lacks and
         make every free one ready for ``layout`` (sized, mapped, headed, page-locked when
@@ -398,6 +416,8 @@ class SavePipeline:
             for slot in self.ring.free_slots():
                 self._stager.ready(slot, layout)
         except Exception as exc:  # noqa: BLE001 - warming is an optimisation only
+            if self._fit_ring(exc, layout.total_size):
+                return
             if not self._warned_warm:
                 self._warned_warm = True
                 log.warning("incluster: could not prepare checkpoint slots ahead of the next save: %s", exc)

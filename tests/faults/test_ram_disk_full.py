@@ -54,3 +54,25 @@ def test_ram_disk_full(local_dir, tmp_path, mode):
     assert out["step3"] == "durable", out["step3"]
     assert out["step4"] == "durable", out["step4"]
     assert out["reserve_back"] is True
+
+
+@pytest.mark.multiproc
+def test_a_ram_disk_with_room_for_fewer_slots_than_keep_keeps_fewer_steps_and_saves_go_on(local_dir, tmp_path):
+    """keep=4 of a 1 MiB shard on a RAM disk with room for two slots: said up front, then
+    once that two are kept; every save lands (each reuses the older slot). The empty slots
+    that got no room were taken first before, and every save after the second failed."""
+    if not _can_mount_tmpfs():
+        pytest.skip("this machine does not let a test mount a small tmpfs")
+    result = tmp_path / "result.json"
+    folder = os.path.join(local_dir, "ram")
+    os.makedirs(folder)
+    script = os.path.join(os.path.dirname(__file__), "small_ram_disk_script.py")
+    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=3584k,mode=0700 tmpfs "$1" && exec "$2" "$3" "$1" "$4"',
+           "sh", folder, sys.executable, script, str(result)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(result.read_text())
+    assert out["saves"] == {str(s): "durable" for s in range(1, 7)}, out["saves"]
+    assert out["slots"] == 2 and out["loaded"] == 6 and out["bitwise"] is True, out
+    assert "fewer steps than keep=4 will be kept" in proc.stderr, proc.stderr
+    assert proc.stderr.count("keeping 2 from now on") == 2, proc.stderr  # once per Checkpointer (two here)

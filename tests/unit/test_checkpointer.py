@@ -257,6 +257,10 @@ def test_tensors_without_dense_values_are_refused_by_path_with_the_fix(local_dir
 def test_bad_options_are_refused_with_the_rule():
     with pytest.raises(ValueError, match="keep"):
         incluster.Checkpointer(local_dir="/tmp/x", keep=1)
+    with pytest.raises(ValueError, match="keep must be at most 64"):  # it once tried to make 10**9 slots
+        incluster.Checkpointer(local_dir="/tmp/x", keep=10**9)
+    with pytest.raises(ValueError, match="keep"):
+        incluster.Checkpointer(local_dir="/tmp/x", keep=True)
     with pytest.raises(ValueError, match="job"):
         incluster.Checkpointer(local_dir="/tmp/x", job="../evil")
 

@@ -301,6 +301,22 @@ class Stager:
         _copy_all(dsts[:cut], srcs[:cut])
         other.result()
 
+    def _check_room(self, size: int) -> None:
+        """Warn when the slots still to be made will not fit in the RAM disk's free space
+        (saves then keep fewer steps than ``keep``; see ``saving._fit_ring``)."""
+        try:
+            st = os.statvfs(self.ring.folder)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        made = sum(s.size for s in self.ring.slots)
+        need = (self.ring.keep + self.replica_slots) * size - made
+        if need > free:
+            log.warning(
+                "incluster: this rank's checkpoint slots need about %.1f MiB more of %s, but only %.1f MiB are free "
+                "there: fewer steps than keep=%d will be kept; lower keep (or replicas), free space, or point "
+                "local_dir elsewhere", need / 2**20, os.path.dirname(self.ring.folder), free / 2**20, self.ring.keep)
+
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
         if not self._said_size:
             self._said_size = True
@@ -311,6 +327,7 @@ class Stager:
                 mib, (self.ring.keep + self.replica_slots) * mib, os.path.dirname(self.ring.folder), self.ring.keep,
                 self.ring.keep * mib, self.replica_slots,
             )
+            self._check_room(layout.total_size)
         buf = self.ring.prepare(slot, layout.total_size)
         if slot.header_fp != layout.fingerprint:
             header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import logging
 import mmap
 import os
@@ -182,7 +183,8 @@ class SlotRing:
         than ``step``; never one holding a newer step or read by an upload."""
         slot = next((s for s in self.slots if s.state is SlotState.FREE and not s.uploading), None)
         if slot is None and len(self.slots) < self.keep:
-            slot = Slot(len(self.slots), os.path.join(self.folder, f"{STAGING_PREFIX}{len(self.slots)}"))
+            idx = self._next_index()
+            slot = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"))
         if slot is None:
             old = [s for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None
                    and s.step < step and not s.uploading]
@@ -219,7 +221,7 @@ class SlotRing:
         with self._cond:
             if len(self.slots) >= self.keep:
                 return None
-            idx = len(self.slots)
+            idx = self._next_index()
             s = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"), SlotState.FREE)
             self.slots.append(s)
             self._cond.notify_all()
@@ -296,12 +298,40 @@ class SlotRing:
             slot.uploading = on
             self._cond.notify_all()
 
+    def _next_index(self) -> int:
+        """The lowest slot number no slot has (its staging file's name)."""
+        used = {s.index for s in self.slots}
+        return next(i for i in range(len(used) + 1) if i not in used)
+
+    def leave_out_unallocated(self) -> int | None:
+        """The RAM disk had no room for a new slot: the free slots that never got their
+        RAM leave the ring, and ``keep`` becomes the slots that have it, so saves reuse
+        those (the oldest step that is not the newest goes) instead of failing on an empty
+        one again and again. Returns the new ``keep``; None when nothing was left out or
+        fewer than 2 slots would remain (no save could land beside the newest step)."""
+        with self._cond:
+            empty = [s for s in self.slots if s.state is SlotState.FREE and s.buf is None and not s.size
+                     and not s.uploading]
+            left = len(self.slots) - len(empty)
+            if not empty or left < 2:
+                return None
+            for slot in empty:
+                self.slots.remove(slot)
+                self._let_go(slot)
+                try:
+                    os.unlink(slot.path)
+                except FileNotFoundError:
+                    pass
+            self.keep = left
+            self._cond.notify_all()
+            return left
+
     def _pick(self) -> Slot | None:
         for s in self.slots:
             if s.state is SlotState.FREE and not s.uploading:
                 return s
         if len(self.slots) < self.keep:
-            idx = len(self.slots)
+            idx = self._next_index()
             s = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"))
             self.slots.append(s)
             return s
@@ -391,10 +421,12 @@ class SlotRing:
         return offset
 
     def _no_room(self, size: int, exc: OSError) -> CheckpointError:
-        return CheckpointError(
+        err = CheckpointError(
             f"cannot allocate {size} bytes for a checkpoint slot in {self.folder}: "
-            f"{exc.strerror}; free space there (RAM disk full?) or point local_dir elsewhere"
+            f"{exc.strerror}; free space there (RAM disk full?), lower keep, or point local_dir elsewhere"
         )
+        err.no_room = exc.errno == errno.ENOSPC  # type: ignore[attr-defined]
+        return err
 
     # -- commit thread ----------------------------------------------------------------
     def set_state(self, slot: Slot, state: SlotState) -> None:
