@@ -49,6 +49,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 32, generator=g)
     data = TensorDataset(x, x[:, :4].sum(dim=1, keepdim=True).tanh())
+    torch.manual_seed(0)  # the same initial model in every run: a resumed run matches an uninterrupted one bitwise
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(128, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=a.epochs * 64)

@@ -60,6 +60,7 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),
     )
     ckpt = incluster.Checkpointer(job=a.job, persistent=a.persistent, persistent_every=5)
+    torch.manual_seed(0)  # the same initial model in every run: a resumed run matches an uninterrupted one bitwise
     trainer = InclusterTrainer(model=GPT2LMHeadModel(cfg), args=args, train_dataset=Tokens(), checkpointer=ckpt)
     trainer.train(resume_from_checkpoint=True)  # newest complete step, or from scratch
     print(f"resumed from step {trainer.incluster_resumed_step}; finished at step {trainer.state.global_step}")
