@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import re
 import threading
@@ -294,8 +295,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
     def _save(self, step: int, state: Mapping[str, Any], t0: float, persist: bool | None = None) -> SaveHandle:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int (got {step!r})")
+        step = _step_number(step)
         if persist is not None and not isinstance(persist, bool):
             raise ValueError(f"persist must be True, False or None (got {persist!r})")
         if persist and self.config.persistent is None:
@@ -586,3 +586,17 @@ def _refuse_links(*folders: str) -> None:
                 f"{f} is a symbolic link (to {os.readlink(f)!r}); incluster never follows links in its "
                 f"checkpoint folders - remove the link, or point local_dir at the real folder"
             )
+
+
+def _step_number(step: Any) -> int:
+    """``step`` as a plain int: any integer type (a numpy or 0-dim integer tensor counter
+    too), never a bool, a float or a negative number."""
+    if not isinstance(step, bool) and str(getattr(step, "dtype", "")) not in ("bool", "torch.bool"):
+        try:
+            number = operator.index(step)
+        except TypeError:
+            pass
+        else:
+            if number >= 0:
+                return number
+    raise ValueError(f"step must be a non-negative int (got {step!r})")

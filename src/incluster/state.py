@@ -15,6 +15,7 @@ dict, ``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"v": value}`` JSON scala
 
 from __future__ import annotations
 
+import enum
 import math
 import pickle
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ _WALK_DEPTH = MAX_SAVE_DEPTH + 8
 def _plain(obj: Any) -> Any:
     """A JSON scalar as stored: an ``IntEnum``, a ``StrEnum``, a numpy float become the
     plain int, str or float they are (their class need not import where the tree goes:
-    the writer process unpickles it). Anything else is returned as it is."""
+    the writer process unpickles it); so do a plain ``Enum`` member whose value is one
+    and any numpy scalar (``load()`` gives back the live value's type). Anything else
+    is returned as it is."""
     cls = type(obj)
     if cls is str or cls is int or cls is float or cls is bool or obj is None:
         return obj
@@ -54,7 +57,19 @@ def _plain(obj: Any) -> Any:
         return str.__str__(obj)
     if isinstance(obj, float):
         return float.__float__(obj)
+    if isinstance(obj, enum.Enum):  # a plain Enum member: its value, where that is a JSON scalar
+        value = obj.value
+        return value if type(value) in _JSON or value is None else obj
+    if cls.__module__ == "numpy":  # a numpy scalar (np.float32, np.int64, np.bool_): its value
+        import numpy as np
+
+        if isinstance(obj, np.generic):
+            value = obj.item()
+            return value if type(value) in _JSON else obj
     return obj
+
+
+_JSON = (str, int, float, bool)
 
 
 def key_problem(key: Any) -> str | None:
@@ -285,6 +300,10 @@ def _capture(
         return obj
     if isinstance(obj, (str, int, float, type(None))):
         return _plain(obj)
+    if isinstance(obj, enum.Enum) or type(obj).__module__ == "numpy":
+        value = _plain(obj)
+        if value is not obj:
+            return value
     checked = bare is not None  # save(): refused here (the flattener's own walk says why)
     if checked and depth >= MAX_SAVE_DEPTH and (
             isinstance(obj, (Mapping, list, tuple, torch.nn.Module, torch.optim.Optimizer)) or is_stateful(obj)):
@@ -422,6 +441,10 @@ class _Flattener:
             return {"v": _plain(obj)}
         if isinstance(obj, float):
             return _float_node(_plain(obj))
+        if isinstance(obj, enum.Enum) or cls.__module__ == "numpy":
+            value = _plain(obj)
+            if value is not obj:
+                return self.walk(value, path, depth, limit)
         limit = self.depth_limit if limit is None else limit
         if depth >= limit and (isinstance(obj, (Mapping, list, tuple, _Captured)) or is_stateful(obj)):
             raise CheckpointError(

@@ -294,6 +294,14 @@ def _like(live: Any, value: Any) -> Any:
             return type(live)(value)
         except (ValueError, TypeError):
             return value
+    if type(live).__module__ == "numpy" and type(value) in (int, float, bool):  # a numpy scalar: its type again
+        import numpy as np
+
+        if isinstance(live, np.generic):
+            try:
+                return type(live)(value)
+            except (ValueError, TypeError, OverflowError):
+                return value
     return value
 
 

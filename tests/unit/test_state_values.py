@@ -48,6 +48,33 @@ def test_enum_members_are_saved_as_their_values_and_come_back_as_members(local_d
     assert torch.equal(extra["by_phase"][1], torch.ones(2)) and torch.equal(extra["w"], torch.arange(4.0))
 
 
+class Color(enum.Enum):  # a plain Enum: its members are not ints or strs themselves
+    RED = 1
+    BLUE = "blue"
+
+
+def test_plain_enum_members_numpy_scalars_and_a_numpy_step_round_trip(local_dir):
+    """A plain Enum member and a numpy scalar were refused ("cannot checkpoint a numpy.float32")
+    and a numpy step counter too ("step must be a non-negative int")."""
+    import numpy as np
+
+    with _ckpt(local_dir, writer="process") as ck:
+        state = {"extra": {"c": Color.BLUE, "by": {Color.RED: torch.ones(2)}, "lr": np.float32(0.1), "n": np.int64(2**40),
+                           "on": np.bool_(True)}}
+        ck.save(np.int64(3), state).wait(60)
+        state["extra"] = {"c": Color.RED, "by": {1: torch.zeros(2)}, "lr": np.float32(0), "n": np.int64(0),
+                          "on": np.bool_(False)}
+        assert ck.load(state) == 3
+    extra = state["extra"]
+    assert extra["c"] is Color.BLUE and torch.equal(extra["by"][1], torch.ones(2))
+    assert type(extra["lr"]) is np.float32 and extra["lr"] == np.float32(0.1)
+    assert type(extra["n"]) is np.int64 and extra["n"] == 2**40 and extra["on"] is np.True_
+    with _ckpt(local_dir) as ck:
+        for bad in (np.float64(4.0), np.True_, torch.tensor(True)):
+            with pytest.raises(ValueError, match="step must be a non-negative int"):
+                ck.save(bad, {"extra": {"w": torch.ones(2)}})
+
+
 @pytest.mark.parametrize("key, said", [((0, 1), "dict key (0, 1) of type tuple"),
                                        (float("nan"), "dict key nan cannot be stored")])
 def test_a_key_that_cannot_be_stored_is_refused_by_save_itself(local_dir, key, said):
