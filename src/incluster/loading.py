@@ -68,6 +68,10 @@ class LoadPipeline:
         The decision is kept in ``last_restore`` and logged in one line per rank."""
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
+        if not isinstance(state, Mapping):  # as save() says it (before the count: the call never began)
+            raise CheckpointError(
+                f"state must be a dict of named parts, e.g. {{'model': model, 'optim': optim}}, "
+                f"not a {type(state).__name__}")
         self._loads += 1  # first: every rank's n-th call is the same call, whatever fails below
         # the saves after it are a new sequence (writer/sequence.py), numbered from 0 again
         self._last_step, self._saves = -1, 0

@@ -306,6 +306,9 @@ def _like(live: Any, value: Any) -> Any:
 
 
 def _saved_kind(node: Any) -> str:
+    if isinstance(node, dict) and "S" in node:
+        return {"module": "a torch Module's state", "optimizer": "a torch Optimizer's state"}.get(
+            str(node["S"]), "an object's state_dict()")
     kinds = {"T": "a tensor", "D": "a DTensor", "v": "a value", "f": "a float", "d": "a dict",
              "l": "a list", "t": "a tuple", "P": "a pickled object"}
     return next((kinds[k] for k in kinds if isinstance(node, dict) and k in node), "a value")

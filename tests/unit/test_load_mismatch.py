@@ -224,3 +224,18 @@ def test_a_failed_read_of_the_persistent_copy_is_the_tiers_failure_not_a_bad_cop
     monkeypatch.setattr(P.FsspecTier, "read", read)  # the tier answers again: the step is still there
     with incluster.Checkpointer(job="flaky", local_dir=ram, writer="thread", persistent=tier) as ck:
         assert ck.load(state) == 2 and torch.equal(state["w"], want)
+
+
+def test_a_tensor_where_a_module_was_saved_says_a_module_was_saved(local_dir):
+    _save(local_dir, {"model": torch.nn.Linear(4, 4)})
+    with pytest.raises(CheckpointError, match=r"model: the checkpoint holds a torch Module's state here, but the "
+                                              r"live state has a tensor"):
+        _load(local_dir, {"model": torch.zeros(4)})
+
+
+def test_load_of_something_that_is_not_a_dict_says_so_as_save_does(local_dir):
+    _save(local_dir, {"model": torch.nn.Linear(4, 4)})
+    with incluster.Checkpointer(local_dir=local_dir, job="t", writer="thread") as ck:
+        with pytest.raises(CheckpointError, match="state must be a dict of named parts"):
+            ck.load([torch.nn.Linear(4, 4)])
+        assert ck.load({"model": torch.nn.Linear(4, 4)}) == 1  # and the next load() is a load as usual

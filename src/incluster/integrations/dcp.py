@@ -151,6 +151,20 @@ def _top(fqn: str, meta: Any, state: Mapping[str, Any]) -> str:
 _BY_NAME = re.compile(r"^[^.]+\.state\.(?:[^.]+\.[^.]+\.|(?!\d+\.)[^.]+\.).+")
 
 
+def _what_it_holds(why: str, keys: list[str], tops: set[str]) -> str:
+    """The checkpoint's keys under the entry a missing or unexpected key names (a model
+    saved as a Sequential, loaded as a Linear: ``model.0.weight`` against ``model.weight``),
+    else its top-level entries."""
+    m = re.search(r"key in checkpoint state_dict: ([^\s,]+?)\.?$|key.*?: ([^\s,]+?)\.?$", why)
+    name = next((g for g in m.groups() if g), None) if m else None
+    top = name.split(".", 1)[0] if name else None
+    if top in tops:
+        under = [k for k in keys if k == top or k.startswith(top + ".")]
+        shown = ", ".join(under[:8]) + (f", ... ({len(under)} in all)" if len(under) > 8 else "")
+        return f"Under {top!r} it holds: {shown}"
+    return f"Its entries are {sorted(tops)}"
+
+
 def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, strict: bool = True) -> int | None:
     """Load the DCP checkpoint at ``path`` into ``state`` in place; return ``step``.
 
@@ -192,8 +206,8 @@ def load_dcp(state: dict[str, Any], path: str, *, step: int | None = None, stric
                 f"in the state, and after load_dcp() hand them back with set_state_dict()"
                 if named and "Missing key" in why else "")
         raise CheckpointError(
-            f"loading the DCP checkpoint {path} into this state failed: {why.rstrip('.')}. Its entries are "
-            f"{sorted(tops)}; load with the same structure it was saved with.{hint}"
+            f"loading the DCP checkpoint {path} into this state failed: {why.rstrip('.')}. "
+            f"{_what_it_holds(why, keys, tops)}; load with the same structure it was saved with.{hint}"
         ) from exc
     _say_casts(path, casts)
     if part is not state:
