@@ -96,7 +96,9 @@ def persist_params(config: Config, rank: int, world_size: int, run: str) -> Pers
         return None
     from incluster.tiers.persistent import open_tier
 
-    open_tier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
+    tier = open_tier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
+    if hasattr(tier, "check_writable"):
+        tier.check_writable()
     if c.writer == "process" and not isinstance(c.persistent, str):
         import pickle
 

@@ -47,6 +47,18 @@ def test_a_folder_this_process_cannot_write_is_named_not_credentials(local_dir, 
     assert len(warned) == 1, [r.message for r in warned]
 
 
+def test_a_persistent_path_that_cannot_be_made_is_refused_when_the_checkpointer_starts(local_dir, tmp_path):
+    """It was found only at the first upload, as a warning, while training went on."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for bad in (str(blocker / "run"), "/proc/1/nope/run"):
+        with pytest.raises(incluster.TierUnavailableError, match=r"cannot be written.*fix persistent="):
+            incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=bad)
+    made = tmp_path / "x" / "y" / "z"
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=str(made)):
+        assert made.is_dir()  # a nested path that does not exist yet is made
+
+
 def test_store_verdicts_and_local_permission_hints_read_as_words():
     from incluster.persist import _words, fix_for
 

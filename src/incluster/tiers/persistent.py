@@ -113,6 +113,21 @@ class FsspecTier:
         self.bucket = self.root.split("/", 1)[0] if protocol in _BUCKETED else None
         self._bucket_seen = False
 
+    def check_writable(self) -> None:
+        """A local (or mounted) path: its folder exists or can be made, and this process
+        may write there; else TierUnavailableError naming it, at start-up rather than at
+        the first upload. (Object stores are checked at their first use: a network call.)"""
+        if not self.posix:
+            return
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable by this process")
+        except OSError as exc:
+            raise TierUnavailableError(
+                f"the persistent tier {self.url!r} cannot be written ({exc.strerror or exc}); fix persistent= "
+                f"(a folder this process may create and write), or leave it out") from None
+
     def _check_bucket(self) -> None:
         """A bucket that does not exist is an error naming it: never created, never
         listed as an empty tier (a restart would start afresh beside the real one)."""
