@@ -60,6 +60,8 @@ def test_identical_shards_share_replicas_and_restore_a_lost_node(local_dir):
     notes = [n for r in res for n in r["notes"]]
     assert any("failed verification" in n for n in notes), notes
     assert any("from the identical shard of rank" in n for n in notes), notes
+    # the spare's rank got its shard from a peer, healed it in, and says so (not "from its own node's RAM")
+    assert res[1]["source"] == "peer", [(r["source"], r["notes"]) for r in res]
     # the healed copies are each node's own bytes now (a shared copy's record once came along
     # and pointed at the sender's neighbour's file on the healed node): read locally, as saved
     for node, r in (("spare", 1), ("n2", 2)):
@@ -91,3 +93,17 @@ def test_one_replica_lost_node_and_corrupt_shared_copy_rebuilt_from_another_peer
     notes = [n for r in res for n in r["notes"]]
     assert any("failed verification" in n or "rejected" in n for n in notes), notes
     assert any("rank 1's step 2 rebuilt on" in n for n in notes), notes
+
+
+def test_a_rank_that_received_its_shard_in_an_earlier_round_says_it_came_from_a_peer(local_dir):
+    """Rank 1 (on a new node) receives and heals its shard in the first round, which rank
+    0's corrupt copy makes the job plan again: the second round sees rank 1's healed copy
+    as local, and the report said "from its own node's RAM"."""
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    _run(local_dir, out, "save", NODES[:3], replicas=1)
+    shutil.rmtree(os.path.join(local_dir, "n1"))
+    _flip_last_byte(_step(local_dir, "n0", 0, "safetensors"))
+    res = _run(local_dir, out, "load", ["n0", "n4", "n2"], replicas=1)
+    assert [r["loaded"] for r in res] == [2] * 3 and all(r["equal"] for r in res), res
+    assert [r["source"] for r in res] == ["peer", "peer", "local"], [(r["source"], r["notes"]) for r in res]

@@ -145,6 +145,7 @@ class _Run:
         self.ctx, self.state, self.report = ctx, state, report
         self.loaded: int | None = None  # step whose verified bytes are all in the live state
         self.loaded_as: tuple[int, int, int] | None = None  # the lineage of those bytes (recovery/lineage.py)
+        self.came_from: tuple[int, int, str | None] | None = None  # (step, rank, node) a peer sent it from
         self.dirty = False  # the live state holds bytes of a copy or step not (or no longer) chosen
         self.extra: list[tuple[str, list[tuple[int, ...]]]] = []  # rank 0: copies healed so far
         self.exclude: set[tuple[str, int, int]] = set()  # rank 0: bad copies
@@ -232,6 +233,8 @@ class _Run:
             if mine.source is not None and self.loaded != mine.step and not ctx.ring.room_for_restore(mine.step):
                 self._settle(mine)  # every slot holds a newer step: make room for the node's copy
             bad, healed = self._transfer(mine, outgoing), []
+            if mine.source is not None and self.loaded == mine.step:
+                self.came_from = (mine.step, mine.source, mine.source_node)
             if mine.source is not None and self.loaded == mine.step and self.received is not None and self.received.can_heal:
                 healed = [(ctx.node, ctx.rank, mine.step, report.bytes)]
             elif mine.source is None and self.loaded != mine.step:
@@ -239,8 +242,11 @@ class _Run:
             if self._collect(bad, healed):
                 self._heal_now()  # rank 0 now counts my node's copy: it must exist before the next round
                 continue
-            report.source = "local" if mine.source is None else "peer"
-            report.source_rank, report.source_node = mine.source, mine.source_node or ctx.node
+            source, source_node = mine.source, mine.source_node
+            if source is None and self.came_from is not None and self.came_from[0] == self.loaded == mine.step:
+                _, source, source_node = self.came_from  # received in an earlier round, healed, then planned as local
+            report.source = "local" if source is None else "peer"
+            report.source_rank, report.source_node = source, source_node or ctx.node
             self._settle(mine)
             ctx.heal, self.received = self.received, None
             return
