@@ -591,7 +591,8 @@ def _refuse_links(*folders: str) -> None:
 def _step_number(step: Any) -> int:
     """``step`` as a plain int: any integer type (a numpy or 0-dim integer tensor counter
     too), never a bool, a float or a negative number."""
-    if not isinstance(step, bool) and str(getattr(step, "dtype", "")) not in ("bool", "torch.bool"):
+    if (not isinstance(step, bool) and str(getattr(step, "dtype", "")) not in ("bool", "torch.bool")
+            and getattr(step, "ndim", 0) == 0):
         try:
             number = operator.index(step)
         except TypeError:

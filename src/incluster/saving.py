@@ -306,7 +306,10 @@ class SavePipeline:
         if job.drain is not None and self._stager.remote is not None:
             self._stager.remote.done(job.step)  # a failed drain stopped reading; a dead writer reads nothing
         self.ring.fail(job.slot, job.step)  # one locked transition: no save can take it half way
-        self._fit_ring(exc, job.layout.total_size if job.layout is not None else 0)
+        try:
+            self._fit_ring(exc, job.layout.total_size if job.layout is not None else 0)
+        except Exception as fit_exc:  # noqa: BLE001 - the save's own failure must still reach its handle
+            log.warning("incluster: rank %d could not leave the slots without room out: %s", self.rank, fit_exc)
         self._tell_failed(job, handle, err)
 
     def _tell_failed(self, job: StageJob, handle: SaveHandle, err: BaseException) -> None:

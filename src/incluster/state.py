@@ -40,12 +40,14 @@ MAX_SAVE_DEPTH = 100
 _WALK_DEPTH = MAX_SAVE_DEPTH + 8
 
 
-def _plain(obj: Any) -> Any:
+def _plain(obj: Any, value: bool = True) -> Any:
     """A JSON scalar as stored: an ``IntEnum``, a ``StrEnum``, a numpy float become the
     plain int, str or float they are (their class need not import where the tree goes:
     the writer process unpickles it); so do a plain ``Enum`` member whose value is one
-    and any numpy scalar (``load()`` gives back the live value's type). Anything else
-    is returned as it is."""
+    and any numpy scalar (``load()`` gives back the live value's type) - as values only
+    (``value``): a dict key stored as such would not find the live dict's key on load,
+    which neither equals nor hashes like it, so such a key stays what it is and is refused.
+    Anything else is returned as it is."""
     cls = type(obj)
     if cls is str or cls is int or cls is float or cls is bool or obj is None:
         return obj
@@ -57,6 +59,8 @@ def _plain(obj: Any) -> Any:
         return str.__str__(obj)
     if isinstance(obj, float):
         return float.__float__(obj)
+    if not value:
+        return obj
     if isinstance(obj, enum.Enum):  # a plain Enum member: its value, where that is a JSON scalar
         value = obj.value
         return value if type(value) in _JSON or value is None else obj
@@ -313,7 +317,7 @@ def _capture(
         converted = False
         for k, v in obj.items():
             if type(k) is not str and type(k) is not int:
-                k, converted = _plain(k), True
+                k, converted = _plain(k, False), True
                 if checked and key_problem(k) is not None:
                     raise _Rejected
             if converted and checked and k in out:  # a key stored as its plain value beside that value
@@ -455,7 +459,7 @@ class _Flattener:
             items: list[list[Any]] = []
             seen: set[Any] = set()
             for k, v in obj.items():
-                k = _plain(k)
+                k = _plain(k, False)
                 why = key_problem(k) or (f"dict key {k!r} appears twice once keys are stored as plain values "
                                          f"(an enum member and its value?); rename one" if k in seen else None)
                 if why is not None:

@@ -297,11 +297,14 @@ def _like(live: Any, value: Any) -> Any:
     if type(live).__module__ == "numpy" and type(value) in (int, float, bool):  # a numpy scalar: its type again
         import numpy as np
 
-        if isinstance(live, np.generic):
+        kind = np.bool_ if type(value) is bool else np.integer if type(value) is int else np.floating
+        if isinstance(live, kind):  # only where the value is of its kind and it holds the value exactly
             try:
-                return type(live)(value)
+                again = type(live)(value)
             except (ValueError, TypeError, OverflowError):
                 return value
+            if again == value or (value != value and again != again):
+                return again
     return value
 
 

@@ -237,3 +237,24 @@ def test_old_shards_a_replica_ring_holds_go_once_shared_records_supersede_them(l
     _commit(ring, 7)  # a retired slot is made again when a full replica comes
     assert os.path.getsize(os.path.join(folder, step_file(7))) == 4096
     ring.close()
+
+
+def test_an_adopted_torn_staging_file_keeps_its_number_and_never_shares_a_file(tmp_path):
+    """A run that crashed mid-save left .staging-0 beside two committed steps. Adopted slots
+    were numbered by position, so the committed step 5 became slot 0 too: un-committing it
+    renamed its file onto the torn one, and two slots then wrote one file."""
+    folder = tmp_path / "rank-00000"
+    folder.mkdir()
+    for step in (5, 6):
+        (folder / step_file(step)).write_bytes(b"x" * 64)
+        (folder / sidecar_file(step)).write_text("{}")
+    (folder / ".staging-0").write_bytes(b"torn" * 16)
+    ring = SlotRing(str(folder), 3)
+    assert sorted(s.index for s in ring.slots) == [0, 1, 2]
+    assert [s.index for s in ring.slots if s.path.endswith(".staging-0")] == [0]
+    ring.discard(5)
+    paths = [s.path for s in ring.slots]
+    assert len(set(paths)) == 3, paths
+    assert sorted(os.listdir(folder)) == sorted([".staging-0", ".staging-1", step_file(6), sidecar_file(6)])
+    assert (folder / ".staging-0").read_bytes() == b"torn" * 16  # not overwritten by step 5's file
+    ring.close()

@@ -238,6 +238,7 @@ class _Run:
             if mine.source is not None and self.loaded == mine.step and self.received is not None and self.received.can_heal:
                 healed = [(ctx.node, ctx.rank, mine.step, report.bytes)]
             elif mine.source is None and self.loaded != mine.step:
+                self.came_from = None  # the live state takes this node's own copy now
                 bad += self._load_local(mine)
             if self._collect(bad, healed):
                 self._heal_now()  # rank 0 now counts my node's copy: it must exist before the next round

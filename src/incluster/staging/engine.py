@@ -309,13 +309,18 @@ class Stager:
         except OSError:
             return
         free = st.f_bavail * st.f_frsize
-        made = sum(s.size for s in self.ring.slots)
-        need = (self.ring.keep + self.replica_slots) * size - made
+        made = 0  # what this rank's slot files hold already (adopted ones too: their sizes are on disk)
+        for s in self.ring.slots:
+            try:
+                made += os.stat(s.path).st_blocks * 512
+            except OSError:
+                pass
+        need = self.ring.keep * size - made
         if need > free:
             log.warning(
                 "incluster: this rank's checkpoint slots need about %.1f MiB more of %s, but only %.1f MiB are free "
-                "there: fewer steps than keep=%d will be kept; lower keep (or replicas), free space, or point "
-                "local_dir elsewhere", need / 2**20, os.path.dirname(self.ring.folder), free / 2**20, self.ring.keep)
+                "there: fewer steps than keep=%d will be kept; lower keep, free space, or point local_dir elsewhere",
+                need / 2**20, os.path.dirname(self.ring.folder), free / 2**20, self.ring.keep)
 
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
         if not self._said_size:

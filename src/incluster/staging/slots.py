@@ -87,6 +87,14 @@ class Slot:
         self.header_fp = None
 
 
+def _allocated(path: str) -> int:
+    """Bytes of RAM a slot file holds (0 when there is none)."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
 class SlotRing:
     """``keep`` reusable shard files for one rank's shard, in ``folder``."""
 
@@ -129,9 +137,20 @@ class SlotRing:
             names.add(n)
         shards = {int(m.group(1)): n for n in names if (m := _SHARD.match(n))}
         committed = sorted(step for step in shards if sidecar_file(step) in names)
+        # A slot's number names its staging file (it goes back to it when un-committed):
+        # a torn .staging-K keeps its K, and no other slot may take a K present here.
+        staged = {n: int(n[len(STAGING_PREFIX):]) for n in names
+                  if n.startswith(STAGING_PREFIX) and n[len(STAGING_PREFIX):].isdigit()}
+        taken = set(staged.values())
+
+        def number() -> int:
+            i = next(i for i in range(len(taken) + 1) if i not in taken)
+            taken.add(i)
+            return i
+
         for step in committed[-self.keep :]:
             self.slots.append(
-                Slot(len(self.slots), os.path.join(self.folder, step_file(step)), SlotState.COMMITTED, step)
+                Slot(number(), os.path.join(self.folder, step_file(step)), SlotState.COMMITTED, step)
             )
         if committed:
             # Until load() says which step the job agrees on, trust the local view.
@@ -142,7 +161,7 @@ class SlotRing:
             torn = n.startswith(STAGING_PREFIX) or n in torn_shards
             if torn or ".json.tmp-" in n:
                 if torn and len(self.slots) < self.keep and os.path.isfile(full):
-                    self.slots.append(Slot(len(self.slots), full, SlotState.FREE))
+                    self.slots.append(Slot(staged[n] if n in staged else number(), full, SlotState.FREE))
                 else:
                     os.unlink(full)
 
@@ -310,8 +329,8 @@ class SlotRing:
         one again and again. Returns the new ``keep``; None when nothing was left out or
         fewer than 2 slots would remain (no save could land beside the newest step)."""
         with self._cond:
-            empty = [s for s in self.slots if s.state is SlotState.FREE and s.buf is None and not s.size
-                     and not s.uploading]
+            empty = [s for s in self.slots if s.state is SlotState.FREE and s.buf is None and not s.uploading
+                     and _allocated(s.path) == 0]
             left = len(self.slots) - len(empty)
             if not empty or left < 2:
                 return None
