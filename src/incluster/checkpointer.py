@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import operator
 import os
 import re
 import threading
@@ -295,7 +294,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
     def _save(self, step: int, state: Mapping[str, Any], t0: float, persist: bool | None = None) -> SaveHandle:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
-        step = _step_number(step)
+        step = _config.step_number(step)
         if persist is not None and not isinstance(persist, bool):
             raise ValueError(f"persist must be True, False or None (got {persist!r})")
         if persist and self.config.persistent is None:
@@ -587,17 +586,3 @@ def _refuse_links(*folders: str) -> None:
                 f"checkpoint folders - remove the link, or point local_dir at the real folder"
             )
 
-
-def _step_number(step: Any) -> int:
-    """``step`` as a plain int: any integer type (a numpy or 0-dim integer tensor counter
-    too), never a bool, a float or a negative number."""
-    if (not isinstance(step, bool) and str(getattr(step, "dtype", "")) not in ("bool", "torch.bool")
-            and getattr(step, "ndim", 0) == 0):
-        try:
-            number = operator.index(step)
-        except TypeError:
-            pass
-        else:
-            if number >= 0:
-                return number
-    raise ValueError(f"step must be a non-negative int (got {step!r})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import inspect
+import operator
 import os
 import re
 import socket
@@ -264,3 +265,18 @@ def _persistent_url(value: Any) -> Any:
     # "~" as the shell would: a folder named "~" under the working directory would be another
     # tier for a relaunch from another folder, which then found nothing and started afresh
     return text if "://" in text else os.path.abspath(os.path.expanduser(text))
+
+
+def step_number(step: Any) -> int:
+    """``step`` as a plain int: any integer type (a numpy or 0-dim integer tensor counter
+    too), never a bool, a float or a negative number."""
+    if (not isinstance(step, bool) and str(getattr(step, "dtype", "")) not in ("bool", "torch.bool")
+            and getattr(step, "ndim", 0) == 0):
+        try:
+            number = operator.index(step)
+        except TypeError:
+            pass
+        else:
+            if number >= 0:
+                return number
+    raise ValueError(f"step must be a non-negative int (got {step!r})")

@@ -40,12 +40,12 @@ MAX_SAVE_DEPTH = 100
 _WALK_DEPTH = MAX_SAVE_DEPTH + 8
 
 
-def _plain(obj: Any, value: bool = True) -> Any:
+def _plain(obj: Any, as_value: bool = True) -> Any:
     """A JSON scalar as stored: an ``IntEnum``, a ``StrEnum``, a numpy float become the
     plain int, str or float they are (their class need not import where the tree goes:
     the writer process unpickles it); so do a plain ``Enum`` member whose value is one
     and any numpy scalar (``load()`` gives back the live value's type) - as values only
-    (``value``): a dict key stored as such would not find the live dict's key on load,
+    (``as_value``): a dict key stored as such would not find the live dict's key on load,
     which neither equals nor hashes like it, so such a key stays what it is and is refused.
     Anything else is returned as it is."""
     cls = type(obj)
@@ -59,7 +59,7 @@ def _plain(obj: Any, value: bool = True) -> Any:
         return str.__str__(obj)
     if isinstance(obj, float):
         return float.__float__(obj)
-    if not value:
+    if not as_value:
         return obj
     if isinstance(obj, enum.Enum):  # a plain Enum member: its value, where that is a JSON scalar
         value = obj.value

@@ -28,7 +28,7 @@ import torch
 from incluster.format.checksum import DEFAULT_CHUNK, compute
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.layout import Layout, LayoutCache
-from incluster.staging.slots import Slot, SlotRing
+from incluster.staging.slots import Slot, SlotRing, allocated
 from incluster.flat_fast import FastFlattener
 from incluster.state import Flat
 
@@ -309,12 +309,7 @@ class Stager:
         except OSError:
             return
         free = st.f_bavail * st.f_frsize
-        made = 0  # what this rank's slot files hold already (adopted ones too: their sizes are on disk)
-        for s in self.ring.slots:
-            try:
-                made += os.stat(s.path).st_blocks * 512
-            except OSError:
-                pass
+        made = sum(allocated(s.path) for s in self.ring.slots)  # adopted ones too: their RAM is on disk
         need = self.ring.keep * size - made
         if need > free:
             log.warning(

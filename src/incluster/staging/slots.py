@@ -87,11 +87,11 @@ class Slot:
         self.header_fp = None
 
 
-def _allocated(path: str) -> int:
+def allocated(path: str) -> int:
     """Bytes of RAM a slot file holds (0 when there is none)."""
     try:
         return os.stat(path).st_blocks * 512
-    except FileNotFoundError:
+    except OSError:  # gone (or unreadable): holds nothing this ring can count
         return 0
 
 
@@ -330,7 +330,7 @@ class SlotRing:
         fewer than 2 slots would remain (no save could land beside the newest step)."""
         with self._cond:
             empty = [s for s in self.slots if s.state is SlotState.FREE and s.buf is None and not s.uploading
-                     and _allocated(s.path) == 0]
+                     and allocated(s.path) == 0]
             left = len(self.slots) - len(empty)
             if not empty or left < 2:
                 return None
