@@ -39,6 +39,10 @@ model from the same seed and runs 2 warm-up steps first. In this order:
   every k    the incluster runs again with a save every k steps,
              k = max(2, ceil(floor (b) / baseline median step)), with keep=3 (a save may
              then start before the previous one is durable)
+  many       (copy-bound, every 10, direct then snapshot) the same loop on a state of many
+             small tensors: --many-layers x Linear(--many-hidden) with bias + AdamW (default
+             400 x 640: 2.0 GB in 2,400 device tensors, 3,200 with AdamW's host-side steps),
+             with its own floors (a) and (b) and baseline: the host's work per tensor
   dcp kept   (if time is left) DCP's best GPU setting, a kept
              DefaultStager(StagingOptions(True, False, True, True)), copy-bound, every 10:
              its numbers, or the error it ends with
@@ -82,8 +86,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import RAM_DISK, log, machine_info, median, scratch_dir  # noqa: E402 - bench/ is not a package
 from gpu_dcp import run_dcp_config  # noqa: E402
-from gpu_loop import (WAIT_S, ReadyWatch, build, named_tensors, run_floors, run_steps, same_bits,  # noqa: E402
-                      scramble, sync, warm_up)
+from gpu_loop import (WAIT_S, ReadyWatch, build, named_tensors, pinned_floors, run_floors, run_steps,  # noqa: E402
+                      same_bits, scramble, shm_floor, sync, warm_up)
 from gpu_report import config_name, loop_summary, render, save_summary, step_stats, write_json  # noqa: E402
 
 
@@ -274,11 +278,48 @@ def plan(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, st
     for kind, mode in sorted(ten, key=lambda km: km[1] != "snapshot"):  # the default first
         p.append((config_name(f"incluster.{mode}", kind, "k"), "incluster",
                   partial(run_every_k, args, report, kind, tok[kind], mode)))
+    if args.many_layers > 0:
+        for mode in ("direct", "snapshot") if args.features["gpu_snapshot_option"] else ("direct",):
+            p.append((config_name(f"incluster.{mode}", "many", "10"), "incluster", partial(run_many, args, report, mode)))
     if args.dcp_kept and not args.no_dcp:
         cuda = args.dev == "cuda"  # pinned, shared, async, non-blocking
         p.append((config_name("dcp.kept", "copy", "10"), "dcp",
                   partial(run_dcp_config, args, report, "copy", tok["copy"], (cuda, False, True, cuda), False)))
     return p
+
+
+def many_args(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "hidden": args.many_hidden, "layers": args.many_layers, "bias": True})
+
+
+def many_setup(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    """Floors (a), (b) and the baseline of the many-tensor state, measured once."""
+    if "many" in report:
+        return report["many"]
+    margs = many_args(args)
+    model, optim, x = build(margs, args.tokens_copy)
+    warm_up(margs, model, optim, x)
+    named = named_tensors(model, optim)
+    ts = [t for _, t in named if t.device.type == args.dev]
+    nbytes = sum(t.numel() * t.element_size() for t in ts)
+    floors: dict[str, Any] = {"bytes": nbytes, "tensors": len(named), "device_tensors": len(ts)}
+    with torch.no_grad():
+        pinned_floors(margs, ts, nbytes, floors)
+        floors["d2h_registered_shm"] = shm_floor(margs, ts, nbytes)
+    del model, optim, x, named, ts
+    free(args)
+    report["many"] = {"hidden": margs.hidden, "layers": margs.layers, "floors": floors,
+                      "baseline": run_baseline(margs, args.tokens_copy)}
+    return report["many"]
+
+
+def run_many(args: argparse.Namespace, report: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The copy-bound loop on a state of many small tensors (--many-layers x
+    Linear(--many-hidden) with bias, AdamW): the host's work per tensor before and between
+    the copies, against this state's own floors (a) and (b) and baseline."""
+    m = many_setup(args, report)
+    sub = {"floors": m["floors"], "baseline": {"many": m["baseline"]}}
+    return run_incluster(many_args(args), sub, "many", args.tokens_copy, mode, args.every, restore=False)
 
 
 def run_every_k(args: argparse.Namespace, report: dict[str, Any], kind: str, tokens: int, mode: str) -> dict[str, Any]:
@@ -297,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, help="Linear layers (default 6; --quick 4; --cpu-smoke 3)")
     ap.add_argument("--tokens-compute", type=int, help="tokens per step, compute-bound (default 16384; --cpu-smoke 512)")
     ap.add_argument("--tokens-copy", type=int, help="tokens per step, copy-bound (default 2048; --cpu-smoke 32)")
+    ap.add_argument("--many-layers", type=int, help="layers of the many-tensor state (default 400, 3,200 tensors "
+                    "with AdamW; --quick 100; --cpu-smoke 20; 0 leaves it out)")
+    ap.add_argument("--many-hidden", type=int, help="its Linear width (default 640; --quick 256; --cpu-smoke 32)")
     ap.add_argument("--steps", type=int, help="measured steps per configuration (default 40; --quick/--cpu-smoke 12)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     ap.add_argument("--every", type=int, default=10, help="the first schedule: save every N steps (default 10)")
@@ -316,13 +360,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.report) as f:
             print(render(json.load(f)), flush=True)
         return 0
-    preset = ((128, 3, 512, 32, 12, 2) if args.cpu_smoke else (1024, 4, 16384, 2048, 12, 2) if args.quick
-              else (8192, 6, 16384, 2048, 40, 3))
-    for name, v in zip(("hidden", "layers", "tokens_compute", "tokens_copy", "steps", "dcp_saves"), preset):
+    preset = ((128, 3, 512, 32, 12, 2, 20, 32) if args.cpu_smoke else (1024, 4, 16384, 2048, 12, 2, 100, 256)
+              if args.quick else (8192, 6, 16384, 2048, 40, 3, 400, 640))
+    for name, v in zip(("hidden", "layers", "tokens_compute", "tokens_copy", "steps", "dcp_saves", "many_layers",
+                        "many_hidden"), preset):
         if getattr(args, name) is None:
             setattr(args, name, v)
     if min(args.hidden, args.layers, args.tokens_compute, args.tokens_copy, args.steps, args.every,
-           args.dcp_saves, args.restore_repeats) < 1:
+           args.dcp_saves, args.restore_repeats, args.many_hidden) < 1 or args.many_layers < 0:
         ap.error("sizes, steps, --every, --dcp-saves and --restore-repeats must be positive")
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("gpu.py: no CUDA device here; nothing measured (use --cpu-smoke to exercise the script on the CPU)",

@@ -25,7 +25,8 @@ ALIGN = 4096
 
 def build(args: argparse.Namespace, tokens: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(args.hidden, args.hidden, bias=False, device=args.dev)
+    bias = getattr(args, "bias", False)
+    model = torch.nn.Sequential(*(torch.nn.Linear(args.hidden, args.hidden, bias=bias, device=args.dev)
                                   for _ in range(args.layers)))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(tokens, args.hidden, device=args.dev)

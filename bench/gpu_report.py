@@ -186,6 +186,7 @@ def notes(report: dict[str, Any]) -> list[str]:
                        + (f"ERROR {kept['error'].splitlines()[0][:300]}; " if kept.get("error") else "")
                        + f"{sv.get('saves', 0)} saves, staged {ms(sv.get('staged_median_s'))} ms, durable "
                        f"{ms(sv.get('durable_median_s'))} ms, inflation {_pct(lp.get('inflation'))}")
+    out += many_notes(report)
     skips: dict[str, list[str]] = {}
     for name, c in (report.get("configs") or {}).items():
         if c.get("error") and not name.startswith("dcp.kept"):
@@ -205,6 +206,24 @@ def notes(report: dict[str, Any]) -> list[str]:
     if rs.get("line"):
         out.append(f"restore: {rs['line']}")
     out += [f"skipped: {s}" for s in report.get("skipped", [])]
+    return out
+
+
+def many_notes(report: dict[str, Any]) -> list[str]:
+    """The many-tensor runs, against that state's own floors."""
+    m = report.get("many") or {}
+    fl = m.get("floors") or {}
+    out = []
+    for mode in MODES:
+        c = (report.get("configs") or {}).get(config_name(f"incluster.{mode}", "many", "10"))
+        if not c or c.get("skipped") or not c.get("saves_summary"):
+            continue
+        sv, lp = c["saves_summary"], c.get("loop") or {}
+        out.append(f"many tensors, {mode} (copy, every 10; {m.get('layers')} x Linear({m.get('hidden')}) with bias: "
+                   f"{fl.get('device_tensors')} device tensors, {(fl.get('bytes') or 0) / 1e9:.2f} GB; floors "
+                   f"b {_floor_cell(fl.get('d2h_registered_shm'))}, a {_floor_cell(fl.get('d2h_pinned'))}): "
+                   f"blocked {ms(sv.get('blocked_median_s'), 2)} ms, staged {_cell(c, 'staged')} ms, "
+                   f"durable {_cell(c, 'durable')} ms, inflation {_cell(c, 'inflation')} ms")
     return out
 
 
