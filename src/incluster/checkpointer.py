@@ -270,9 +270,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
         remote = self._stager.remote
         return bool(remote is not None and remote.is_open(self._writer))
 
-    def _free_slot_files(self) -> list[tuple[int, str, int]]:
-        """(index, path, size) of the free, mapped slot files: the writer page-locks them."""
-        return [(s.index, s.path, s.size) for s in self.ring.free_slots() if s.buf is not None and s.size]
+    def _free_slot_files(self) -> list[tuple[int, str, int, int]]:
+        """(index, path, size, mapping generation) of the free, mapped slot files: the writer page-locks them."""
+        return [(s.index, s.path, s.size, s.maps) for s in self.ring.free_slots() if s.buf is not None and s.size]
 
     @property
     def writer_pid(self) -> int | None:
@@ -339,7 +339,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from incluster.staging import cuda
 
-            job.cuda_start = cuda.record_start()
+            job.cuda_start = cuda.record_start(self._stager.cuda_devices)
         # Replication and the commit outcome each wait up to slot_timeout_s; past both (and
         # staging), a writer or peer has stopped answering: wait() says so instead of hanging.
         handle = SaveHandle(step=step, staged=job.staged, started=t0, deadline_s=3 * self.config.slot_timeout_s)

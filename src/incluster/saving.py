@@ -121,6 +121,7 @@ class SavePipeline:
                 loaded=self._loaded,
                 lineage=job.lineage,
                 persist=job.persist,
+                maps=job.slot.maps,
             )
         except BaseException as exc:  # noqa: BLE001 - reported through the futures
             self._fail(job, handle, exc, "staging")
@@ -437,5 +438,6 @@ class SavePipeline:
             gpu = [t for t in flat.tensors if t.is_cuda]
             if gpu:
                 self._stager.pin_for(gpu[0])
+                self._stager.cuda_devices = tuple(sorted({t.get_device() for t in gpu}))
         self._warm(layout)
         self._stager.offer_remote()

@@ -44,13 +44,13 @@ def delayed_copies(monkeypatch):
     snap, enqueue = device_snapshot.snap, cuda_mod.CudaCopier.enqueue
 
     def late_snap(plan, tensors, stream, start):
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(plan.device), torch.cuda.stream(stream):
             torch.cuda._sleep(DELAY)
         return snap(plan, tensors, stream, start)
 
     def late_enqueue(self, pairs, start):
-        for dev in {src.device.index or 0 for _, src in pairs}:
-            with torch.cuda.stream(self.stream(dev)):
+        for dev in {src.get_device() for _, src in pairs}:
+            with torch.cuda.device(dev), torch.cuda.stream(self.stream(dev)):
                 torch.cuda._sleep(DELAY)
         return enqueue(self, pairs, start)
 
@@ -245,6 +245,39 @@ def test_a_remapped_slot_is_page_locked_again(local_dir, gpu_snapshot):
             if s.buf is not None:
                 assert s.pinned and s.buf.is_pinned(), s.index
         assert any(s.maps > 1 for s in ck.ring.slots)
+
+
+def test_an_empty_gpu_tensor_before_a_large_cpu_one_is_saved_through_the_snapshot(local_dir):
+    """Its file offset lies below the device buffer's first byte (every snapshot save of
+    such a state failed on an unaligned view)."""
+    state = {"e": torch.empty(0, device="cuda"), "c": torch.randn(3 << 18), "w": torch.randn(1 << 20, device="cuda"),
+             "b": torch.tensor([True, False, True])}
+    with incluster.Checkpointer(local_dir=local_dir, job="empty", replicas=0) as ck:
+        for step in (1, 2):
+            expected = _expected(state)
+            ck.save(step, state).wait()
+            _assert_shard(ck.folder, step, expected)
+            state["w"].add_(1)
+        assert ck.gpu_snapshot_active
+
+
+def test_a_shard_whose_size_goes_back_and_forth_is_exact_every_time(local_dir, remote_steps):
+    """Slots are cut and grown back to sizes they had before: the writer's page-locked
+    mapping of a slot must follow the file's pages, not keep the ones the cut dropped."""
+    m, o = _model()
+    _step(m, o)
+    small = {"model": m, "optim": o}
+    with incluster.Checkpointer(local_dir=local_dir, job="sizes", replicas=0, keep=2) as ck:
+        ck.prepare(small).result(120)
+        _wait_writer_drains(ck)
+        for step, grow in enumerate((0, 0, 4, 4, 0, 0, 4, 0, 4, 4), start=1):
+            state = dict(small, extra=torch.randn(grow << 18, device="cuda")) if grow else small
+            _step(m, o)
+            expected = _expected(state)
+            ck.save(step, state).wait(120)
+            _assert_shard(ck.folder, step, expected)
+        assert any(s.maps > 2 for s in ck.ring.slots)
+        assert remote_steps, "the writer drained none of the saves"
 
 
 @pytest.mark.parametrize("gpu_snapshot", [None, 0], ids=["device-snapshot", "direct"])

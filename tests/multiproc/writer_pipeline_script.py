@@ -33,7 +33,7 @@ class CopyStandIn:
         buf_id, lo, runs = req.drain
         if buf_id != self.buf_id:
             raise RuntimeError(f"step {req.step}: the device-side snapshot {buf_id} is not open in the writer")
-        mm = self.service.map_slot(str(req.slot), req.staging_path, req.size, populate=False)
+        mm = self.service.map_slot(str(req.slot), req.staging_path, req.size, populate=False, gen=req.maps)
         time.sleep(COPY_S)
         for a, b in runs:
             mm[a:b] = bytes([req.step % 251]) * (b - a)

@@ -87,7 +87,9 @@ class Bounce:
             else:
                 if after is not None:
                     b.stream.wait_event(after)
-                with torch.cuda.stream(b.stream):
+                # The device first: a bare stream context on a reading thread (current
+                # device 0) would set device 0 back on exit, making a context there.
+                with torch.cuda.device(b.stream.device), torch.cuda.stream(b.stream):
                     dest.copy_(b.host[:n], non_blocking=True)
                     b.event = torch.cuda.Event()
                     b.event.record(b.stream)

@@ -27,8 +27,20 @@ def active_dist() -> Any:
 def device_for_collectives() -> torch.device:
     """Where tensors for the default group's collectives live (CUDA under NCCL)."""
     if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return nccl_device()
     return torch.device("cpu")
+
+
+def nccl_device() -> torch.device:
+    """The GPU of this rank's NCCL communicator: the one ``init_process_group(device_id=)``
+    bound the default group to, else the current device (NCCL's own convention)."""
+    try:
+        bound = dist.distributed_c10d._get_default_group().bound_device_id
+    except (AttributeError, RuntimeError, ValueError):
+        bound = None
+    if bound is not None and bound.type == "cuda" and bound.index is not None:
+        return bound
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _run(ops: list[Any]) -> None:

@@ -112,7 +112,7 @@ class Landing:
 
     def __init__(self, header: ShardHeader, segs: list[Segment], targets: Mapping[str, torch.Tensor]) -> None:
         self.header, self.segs = header, segs
-        self.device: torch.device | None = None  # where the non-CPU destinations are
+        self.devices: list[torch.device] = []  # where the non-CPU destinations are
         self.placed = {s.name: targets[s.name] for s in segs if s.name is not None and s.name in targets}
         n = sum(s.nbytes for s in segs if s.name not in self.placed)
         if n >= _HUGE:  # huge pages where the kernel allows: far fewer faults than 4 KiB ones
@@ -129,8 +129,8 @@ class Landing:
         for s in segs:
             if s.name in self.placed:
                 dest = _bytes_of(self.placed[s.name])  # type: ignore[index]
-                if dest.device.type != "cpu":
-                    self.device = dest.device
+                if dest.device.type != "cpu" and dest.device not in self.devices:
+                    self.devices.append(dest.device)
                 self.dests.append(dest)
             else:
                 self.dests.append(self._scratch[pos : pos + s.nbytes])
@@ -175,12 +175,15 @@ def read_verified(
     chunk = expected.chunk
     starts = [s.offset for s in landing.segs]
     views = [memoryview(d.numpy()) if d.device.type == "cpu" else None for d in landing.dests]  # type: ignore[arg-type]
-    bounce, after = None, None
-    if landing.device is not None or bounce_cpu:
+    # One pool of bounce buffers per destination device, their streams on it: a copy into
+    # a tensor runs on a stream of the tensor's device, so only that device's buffers'
+    # events say when the copy has read its buffer.
+    pools: dict[torch.device, tuple[Any, Any]] = {}
+    if landing.devices or bounce_cpu:
         from incluster.recovery.device_landing import bounce_for, compute_mark
 
-        bounce = bounce_for(landing.device or torch.device("cpu"), max(1, workers))
-        after = compute_mark(landing.device)
+        for dev in landing.devices + ([torch.device("cpu")] if bounce_cpu else []):
+            pools[dev] = (bounce_for(dev, max(1, workers)), compute_mark(dev))
 
     def one(k: int) -> None:
         lo, hi = k * chunk, min((k + 1) * chunk, expected.size)
@@ -191,7 +194,9 @@ def read_verified(
             pos = max(lo, seg.offset)
             end = min(hi, seg.offset + seg.nbytes)
             if view is None or (bounce_cpu and seg.name is not None):
-                _through(bounce, fd, pos, end, seg, landing.dests[i], v, where, after)  # type: ignore[arg-type]
+                dest = landing.dests[i]
+                bounce, after = pools[dest.device]
+                _through(bounce, fd, pos, end, seg, dest, v, where, after)
                 pos = end
             while pos < end and view is not None:
                 piece = view[pos - seg.offset : min(end, pos + PIECE) - seg.offset]
@@ -211,7 +216,7 @@ def read_verified(
             for f in [pool.submit(one, k) for k in range(count)]:
                 f.result()
     finally:
-        if bounce is not None:
+        for bounce, _ in pools.values():
             bounce.finish()  # every copy landed (or, after an error, none still reads a buffer)
 
 

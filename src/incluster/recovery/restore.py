@@ -352,7 +352,7 @@ class _Run:
                 landing = Landing(header, segments(header, big=1), targets)
                 # GPU targets: the rank's cores read and hash (training waits for the restore);
                 # on the H200 host 16 threads reached 27 GB/s, 8 only 23 (bench/gpu_restore_probe.py)
-                cap = 16 if landing.device is not None else 4
+                cap = 16 if landing.devices else 4
                 read_verified(fd, landing, sc.checksum, path, workers=min(cap, core_share()))
             finally:
                 os.close(fd)

@@ -127,7 +127,9 @@ def for_backend(nccl: bool) -> Wire:
     look it up on this module, so a test can route every move through the staged path
     (:func:`incluster.testing.wire.route_through_staged_wire`)."""
     if nccl:
-        return Wire(torch.device("cuda", torch.cuda.current_device()), direct=False)
+        from incluster.recovery.gather import nccl_device
+
+        return Wire(nccl_device(), direct=False)
     return Wire(torch.device("cpu"))
 
 

@@ -8,17 +8,25 @@ Flow for a save of GPU tensors (DESIGN §5 "Overlap with the forward pass"):
 3. the optimizer pre-step hook makes the compute stream wait on ``done``: the GPU
    orders the parameter update after the copies, the host never blocks.
 
+Streams are per device and the trainer's current device need not be the state's (a
+script that moves its model to ``cuda:1`` without ``torch.cuda.set_device``, or a model
+spread over several GPUs): ``start`` is recorded and ``done`` waited on for each GPU the
+state is on, on that GPU's current stream, never on the current device's alone.
+
 Only imported when CUDA is available; CPU-only runs never touch this module.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from incluster.errors import CheckpointError
 from incluster.staging.slots import Slot
+
+
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 def register(slot: Slot, device: int | None = None) -> None:
@@ -29,7 +37,9 @@ def register(slot: Slot, device: int | None = None) -> None:
     if slot.pinned or slot.buf is None or slot.size == 0:
         return
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
-        err = torch.cuda.cudart().cudaHostRegister(slot.buf.data_ptr(), slot.size, 0)
+        # Portable: page-locked for every GPU's context, so copies from each GPU of a state
+        # spread over several stay asynchronous, not just those from the registering one.
+        err = torch.cuda.cudart().cudaHostRegister(slot.buf.data_ptr(), slot.size, HOST_REGISTER_PORTABLE)
     code = int(getattr(err, "value", err))
     if code != 0:
         raise CheckpointError(
@@ -37,7 +47,7 @@ def register(slot: Slot, device: int | None = None) -> None:
             f"raise the locked-memory limit (ulimit -l) or use a smaller state per rank"
         )
     slot.pinned = True
-    slot.pinned_on = device
+    slot.pinned_on = device if device is not None else torch.cuda.current_device()
 
 
 def unregister(slot: Slot) -> None:
@@ -50,14 +60,25 @@ def unregister(slot: Slot) -> None:
     slot.pinned_on = None
 
 
-def record_start() -> dict[int, torch.cuda.Event]:
-    """On the trainer thread, in save(): mark where the compute streams are now."""
+def active_devices() -> list[int]:
+    """The GPUs this process has a CUDA context on (where its tensors can be)."""
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has is None:
+        return [torch.cuda.current_device()]
+    return [d for d in range(torch.cuda.device_count()) if has(d)]
+
+
+def record_start(devices: Iterable[int] | None = None) -> dict[int, torch.cuda.Event]:
+    """On the trainer thread, in save(): mark where the compute streams are now, on each
+    of ``devices`` (the GPUs the state was on at the last save or ``prepare``; None, not
+    known yet: every GPU this process has a context on). Recording on a GPU without a
+    context would make one there, so only those are marked."""
     events: dict[int, torch.cuda.Event] = {}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        dev = torch.cuda.current_device()
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        events[dev] = ev
+        for dev in active_devices() if devices is None else devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            events[dev] = ev
     return events
 
 
@@ -79,12 +100,12 @@ class CudaCopier:
         self,
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         start: dict[int, torch.cuda.Event],
-    ) -> list[torch.cuda.Event]:
-        """Enqueue ``dst.copy_(src)`` for GPU sources; returns one done event per device."""
+    ) -> list[tuple[int, torch.cuda.Event]]:
+        """Enqueue ``dst.copy_(src)`` for GPU sources; returns (device, done event) per device."""
         by_dev: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
-            by_dev.setdefault(src.device.index or 0, []).append((dst, src))
-        done: list[torch.cuda.Event] = []
+            by_dev.setdefault(src.get_device(), []).append((dst, src))
+        done: list[tuple[int, torch.cuda.Event]] = []
         for dev, items in by_dev.items():
             stream = self.stream(dev)
             ev = start.get(dev)
@@ -92,16 +113,20 @@ class CudaCopier:
                 stream.wait_event(ev)
             else:  # a device save() did not mark: order after all its work so far
                 stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
+            # The device first: a stream context alone, on a thread whose current device is
+            # another, sets that device back on exit - a context made on GPU 0 (CUDA 12).
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
                 for dst, src in items:
                     dst.copy_(src, non_blocking=True)
                 end = torch.cuda.Event()
                 end.record(stream)
-            done.append(end)
+            done.append((dev, end))
         return done
 
 
-def wait_on_compute(done: Sequence[torch.cuda.Event]) -> None:
-    """Pre-step hook body: the compute stream waits for the copies; the host does not."""
-    for ev in done:
-        torch.cuda.current_stream().wait_event(ev)
+def wait_on_compute(done: Sequence[tuple[int, torch.cuda.Event]]) -> None:
+    """Pre-step hook body: each GPU's compute stream (the trainer's current stream there,
+    where the optimizer's kernels for its tensors run) waits for that GPU's copies; the
+    host does not."""
+    for dev, ev in done:
+        torch.cuda.current_stream(dev).wait_event(ev)

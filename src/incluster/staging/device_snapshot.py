@@ -83,6 +83,25 @@ def make_runs(layout: Layout, kinds: Sequence[str]) -> tuple[int, int, list[tupl
     return runs[0][0], runs[-1][1], runs
 
 
+def buffer_views(layout: Layout, kinds: Sequence[str], lo: int, runs: Sequence[tuple[int, int]], buf: torch.Tensor
+                 ) -> tuple[list[int], list[torch.Tensor], dict[int, torch.Tensor]]:
+    """(gpu, views, inside) of a :class:`Plan` over ``buf`` (which starts at file offset
+    ``lo``): the GPU entries that hold bytes with their typed views, and the small CPU
+    tensors inside a run with theirs. An empty tensor copies nothing and has no place in
+    the buffer (its offset may lie below ``lo``: a view there would start elsewhere)."""
+    def at(e: Any) -> torch.Tensor:
+        return buf[e.offset - lo : e.offset - lo + e.nbytes].view(NAME_TO_DTYPE[e.spec.dtype]).view(e.spec.shape)
+
+    gpu = [i for i, k in enumerate(kinds) if k == "g" and layout.entries[i].nbytes]
+    views = [at(layout.entries[i]) for i in gpu]
+    inside = {}
+    for i, k in enumerate(kinds):
+        e = layout.entries[i]
+        if k == "s" and e.nbytes and any(a <= e.offset and e.offset + e.nbytes <= b for a, b in runs):
+            inside[i] = at(e)
+    return gpu, views, inside
+
+
 class DeviceSnapshots:
     """The reused buffer (one device) and the per-layout plans over it."""
 
@@ -96,8 +115,7 @@ class DeviceSnapshots:
 
     def plan(self, layout: Layout, tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> Plan | None:
         """The plan for this save, with the buffer allocated; None: copy directly."""
-        gpu = [i for i, k in enumerate(kinds) if k == "g"]
-        devices = {tensors[i].device.index or 0 for i in gpu}
+        devices = {tensors[i].get_device() for i, k in enumerate(kinds) if k == "g"}
         if len(devices) != 1:
             self._say("multi", "incluster: the saved state spans several GPUs; copying device-to-host directly")
             return None
@@ -107,21 +125,12 @@ class DeviceSnapshots:
         if plan is not None and self.buf is not None and self.buf.device.index == dev:
             return plan
         lo, hi, runs = make_runs(layout, kinds)
+        if not runs:  # only empty GPU tensors: nothing to snapshot
+            return None
         if not self._room(dev, hi - lo):
             self.active = False
             return None
-        buf = self.buf
-        views = []
-        for i in gpu:
-            e = layout.entries[i]
-            raw = buf[e.offset - lo : e.offset - lo + e.nbytes]  # type: ignore[index]
-            views.append(raw.view(NAME_TO_DTYPE[e.spec.dtype]).view(e.spec.shape))
-        inside = {}
-        for i, k in enumerate(kinds):
-            e = layout.entries[i]
-            if k == "s" and e.nbytes and any(a <= e.offset and e.offset + e.nbytes <= b for a, b in runs):
-                raw = buf[e.offset - lo : e.offset - lo + e.nbytes]  # type: ignore[index]
-                inside[i] = raw.view(NAME_TO_DTYPE[e.spec.dtype]).view(e.spec.shape)
+        gpu, views, inside = buffer_views(layout, kinds, lo, runs, self.buf)  # type: ignore[arg-type]
         plan = self._plans[key] = Plan(dev, lo, runs, gpu, views, inside, self.filled)
         self.active = True
         return plan

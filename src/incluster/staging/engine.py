@@ -43,11 +43,11 @@ class StageJob:
     step: int
     snap: Any
     slot: Slot
-    cuda_start: dict[int, Any] = field(default_factory=dict)
+    cuda_start: dict[int, Any] = field(default_factory=dict)  # device -> event save() recorded
     # Set once every CPU copy is done and every GPU copy is enqueued: the pre-step hook
-    # waits on it (briefly), then orders the compute stream after ``cuda_done``.
+    # waits on it (briefly), then orders each GPU's compute stream after ``cuda_done``.
     host_done: threading.Event = field(default_factory=threading.Event)
-    cuda_done: list[Any] = field(default_factory=list)
+    cuda_done: list[tuple[int, Any]] = field(default_factory=list)  # (device, event) of the copies
     staged: Future[None] = field(default_factory=Future)
     staged_at: float | None = None  # perf_counter() when ``staged`` resolved
     flat: Flat | None = None
@@ -79,6 +79,11 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             dst.copy_(src)
 
 
+def gpu_devices(tensors: list[torch.Tensor], kinds: list[str]) -> tuple[int, ...]:
+    """The GPUs the tensors of kind "g" are on."""
+    return tuple(sorted({t.get_device() for t, k in zip(tensors, kinds) if k == "g"}))
+
+
 def make_views(buf: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     """Typed, shaped views into the mapping, one per layout entry (input order)."""
     views = []
@@ -101,6 +106,9 @@ class Stager:
         self.flattener = FastFlattener(allow_pickle)  # names and specs once per structure
         self.pin = False
         self.cuda_device: int | None = None  # the GPU the saved state is on: slots page-lock there
+        # Every GPU the last save's (or prepare's) state was on: save() marks each one's
+        # compute stream (None: not known yet; cuda.record_start then marks every GPU in use)
+        self.cuda_devices: tuple[int, ...] | None = None
         self.replica_slots = 0  # slots this rank's writer keeps for its partners' replicas
         self._said_size = False  # the RAM this rank's slots take is said once
         self._cuda: Any = None
@@ -125,6 +133,7 @@ class Stager:
             kinds = self.kinds(flat.tensors)
             if "g" in kinds:
                 self.pin_for(flat.tensors[kinds.index("g")])
+                self.cuda_devices = gpu_devices(flat.tensors, kinds)
                 if self.remote is not None:  # the writer is done reading the buffer
                     self.remote.wait_free(self.remote_timeout_s)
                 plan = self._devices().plan(layout, flat.tensors, kinds)
@@ -136,9 +145,18 @@ class Stager:
                     job.mark_staged()
             else:
                 after = self._snap(job, flat.tensors, layout, kinds, plan)
+        except BaseException:
+            # Copies already enqueued still write into the slot (and read the state): the
+            # slot must not be handed out, re-mapped or unregistered before they land.
+            for _, ev in job.cuda_done:
+                try:
+                    ev.synchronize()
+                except Exception:  # noqa: BLE001 - the error being raised says more
+                    pass
+            raise
         finally:
             job.host_done.set()
-        for ev in job.cuda_done:
+        for _, ev in job.cuda_done:
             ev.synchronize()
         if plan is not None:
             # Device-to-device done: the optimizer may step. The drain to the slot follows.
@@ -213,7 +231,7 @@ class Stager:
         from incluster.staging.device_snapshot import snap
 
         stream = self._copier().stream(plan.device)
-        job.cuda_done = [snap(plan, tensors, stream, job.cuda_start.get(plan.device))]
+        job.cuda_done = [(plan.device, snap(plan, tensors, stream, job.cuda_start.get(plan.device)))]
         if "c" in kinds:
             views = self._views(job.slot, layout)
             for i, k in enumerate(kinds):
@@ -228,6 +246,7 @@ class Stager:
         kinds = self.kinds(tensors)
         if "g" in kinds:
             self.pin_for(tensors[kinds.index("g")])
+            self.cuda_devices = gpu_devices(tensors, kinds)
             plan = self._devices().plan(layout, tensors, kinds)
             if plan is not None:
                 from incluster.staging.device_snapshot import warm

@@ -35,9 +35,9 @@ log = logging.getLogger("incluster")
 class RemoteDrain:
     """Which buffer the current writer has open, and whether it is still reading it."""
 
-    def __init__(self, writer: Callable[[], Any], slots: Callable[[], list[tuple[int, str, int]]]) -> None:
+    def __init__(self, writer: Callable[[], Any], slots: Callable[[], list[tuple[int, str, int, int]]]) -> None:
         self._writer = writer  # the Checkpointer's current writer (a new one after a restart)
-        self._slots = slots  # (index, path, size) of the mapped slot files, for the writer to pin
+        self._slots = slots  # (index, path, size, Slot.maps) of the mapped slot files, for the writer to pin
         self._lock = threading.Lock()
         self._free = threading.Event()
         self._free.set()

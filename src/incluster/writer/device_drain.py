@@ -36,7 +36,8 @@ class DeviceDrains:
         self._lock = threading.Lock()  # pin (drains, main loop) and unpin (commits, their thread)
         service.on_unmap = self.unpin
 
-    def open(self, buf_id: int, args: tuple[Any, ...], device: int, slots: list[tuple[int, str, int]]) -> str | None:
+    def open(self, buf_id: int, args: tuple[Any, ...], device: int,
+             slots: list[tuple[int, str, int, int]]) -> str | None:
         """Open the shared buffer and page-lock the listed slot files; None, or why not."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -49,9 +50,9 @@ class DeviceDrains:
                 self.stream = torch.cuda.Stream(device=device)
         except Exception as exc:  # noqa: BLE001 - reported; the trainer drains itself then
             return f"{type(exc).__name__}: {exc}"
-        for index, path, size in slots:  # ahead of time only: a drain pins what is missing
+        for index, path, size, gen in slots:  # ahead of time only: a drain pins what is missing
             try:
-                self.pin(self.service.map_slot(str(index), path, size, populate=False))
+                self.pin(self.service.map_slot(str(index), path, size, populate=False, gen=gen))
             except OSError:
                 pass  # the slot was renamed by a commit meanwhile
             except CheckpointError as exc:  # page-locking refused (ulimit -l): the trainer drains
@@ -67,7 +68,7 @@ class DeviceDrains:
         buf_id, lo, runs = req.drain  # type: ignore[misc]
         if self.buf is None or buf_id != self.buf_id:
             raise CheckpointError(f"step {req.step}: the device-side snapshot {buf_id} is not open in the writer")
-        slot = self.pin(self.service.map_slot(str(req.slot), req.staging_path, req.size, populate=False))
+        slot = self.pin(self.service.map_slot(str(req.slot), req.staging_path, req.size, populate=False, gen=req.maps))
         try:
             with torch.cuda.device(self.device):
                 return copy_out(self.device, lo, runs, self.buf, slot, self.stream, req.chunk, copied)

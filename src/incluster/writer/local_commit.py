@@ -51,6 +51,9 @@ class CommitRequest:
     loaded: bool = False
     lineage: tuple[int, int, int] = (0, 0, -1)  # the timeline saving it (incluster.recovery.lineage)
     persist: bool | None = None  # save(persist=): True uploads it whatever the schedule, False never; None: the schedule
+    # the slot's mapping generation in the trainer (Slot.maps): a slot resized since the
+    # writer mapped it is mapped (and page-locked) again, even at its old size and inode
+    maps: int = 0
 
 
     @property

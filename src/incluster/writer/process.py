@@ -148,7 +148,7 @@ class ProcessWriter:
             except Exception:  # noqa: BLE001 - the store is gone too; peers time out instead
                 pass
 
-    def share_device_buffer(self, buf_id: int, buf: Any, slots: list[tuple[int, str, int]]) -> None:
+    def share_device_buffer(self, buf_id: int, buf: Any, slots: list[tuple[int, str, int, int]]) -> None:
         """Hand the device-side snapshot buffer to the writer (CUDA IPC: torch's reduction of
         a CUDA tensor; this process keeps the buffer alive) with the slot files it should
         page-lock now; it answers DEVICE_READY."""

@@ -52,7 +52,7 @@ class CommitService:
         self.params = params
         self.coord = _coordinator(params)
         self.watch = self.coord if params.store is None else _coordinator(params)
-        self._maps: dict[str, tuple[int, int, int, mmap.mmap]] = {}  # slot key -> (ino, size, fd, map)
+        self._maps: dict[str, tuple[int, int, int, mmap.mmap, int]] = {}  # slot key -> (ino, size, fd, map, gen)
         self._maps_lock = threading.Lock()
         self.on_unmap: Callable[[mmap.mmap], None] | None = None  # before a mapping is closed
         self._outcomes: list[int] = []  # the first two durable steps this writer saw
@@ -308,24 +308,28 @@ class CommitService:
 
     def _map(self, req: CommitRequest) -> mmap.mmap:
         # Hashed already (a GPU save): nothing reads it all now, so no page-table pass either.
-        return self.map_slot(str(req.slot), req.staging_path, req.size, populate=req.digests is None)
+        return self.map_slot(str(req.slot), req.staging_path, req.size, populate=req.digests is None, gen=req.maps)
 
-    def map_slot(self, key: str, path: str, size: int, *, populate: bool) -> mmap.mmap:
-        """The writer's own mapping of a slot file, kept while the slot's inode and size stay.
+    def map_slot(self, key: str, path: str, size: int, *, populate: bool, gen: int = 0) -> mmap.mmap:
+        """The writer's own mapping of a slot file, kept while the slot's inode, size and
+        mapping generation in the trainer (``gen``, ``Slot.maps``) stay. A slot the trainer
+        cut and grew back to its old size is the same inode and size, but the pages beyond
+        the cut are new ones: a mapping page-locked before (``device_drain``) would still
+        pin the old ones, and a copy into it would land where the file no longer looks.
         Called by the drains (the writer's main loop) and the commits (their own thread)."""
         with self._maps_lock:
             st = os.stat(path)
             cached = self._maps.get(key)
-            if cached and cached[0] == st.st_ino and cached[1] == size:
+            if cached and cached[0] == st.st_ino and cached[1] == size and cached[4] == gen:
                 return cached[3]
             if cached:
                 self._unmap(cached)
             fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
-            self._maps[key] = (st.st_ino, size, fd, mm)
+            self._maps[key] = (st.st_ino, size, fd, mm, gen)
             return mm
 
-    def _unmap(self, cached: tuple[int, int, int, mmap.mmap]) -> None:
+    def _unmap(self, cached: tuple[int, int, int, mmap.mmap, int]) -> None:
         if self.on_unmap is not None:
             self.on_unmap(cached[3])
         try:

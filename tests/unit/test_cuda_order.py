@@ -1,0 +1,136 @@
+"""The GPU path's bookkeeping, checked on the CPU (tests/gpu checks it on a GPU): which
+streams a save marks and makes wait, per GPU the state is on; a failed staging waits for
+the copies it had enqueued; the device-side snapshot's views; the writer re-maps a slot
+the trainer resized.
+
+CUDA calls are replaced by fakes that record what they were asked; everything they are
+asked comes from the real code under test.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+import torch
+
+import incluster
+from incluster.format.layout import TensorSpec, build_layout
+from incluster.staging import cuda
+from incluster.staging.device_snapshot import buffer_views, make_runs
+from incluster.staging.engine import Stager
+from incluster.writer.protocol import WriterParams
+from incluster.writer.service import CommitService
+
+
+class FakeStream:
+    def __init__(self, dev: int) -> None:
+        self.dev, self.waited = dev, []
+
+    def wait_event(self, ev) -> None:
+        self.waited.append(ev)
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.on, self.synced = None, False
+
+    def record(self, stream) -> None:
+        self.on = stream.dev
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Three fake GPUs with contexts on 1 and 2 (the current device stays 0): per device,
+    the trainer's current stream."""
+    streams = {d: FakeStream(d) for d in range(3)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda d: d in (1, 2), raising=False)
+
+    def current_stream(device=None):
+        assert device is not None, "a stream of the current device (0) was asked for, not the state's GPU's"
+        return streams[device]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return streams
+
+
+def test_save_marks_each_gpu_of_the_state_not_the_current_device(gpus):
+    marks = cuda.record_start((1, 2))
+    assert sorted(marks) == [1, 2]
+    assert [marks[d].on for d in (1, 2)] == [1, 2]
+
+
+def test_before_the_state_is_known_save_marks_every_gpu_with_a_context(gpus):
+    marks = cuda.record_start(None)
+    assert sorted(marks) == [1, 2]  # never GPU 0: marking it would make a context there
+
+
+def test_the_optimizer_step_waits_on_each_gpus_own_stream(gpus):
+    a, b = FakeEvent(), FakeEvent()
+    cuda.wait_on_compute([(1, a), (2, b)])
+    assert gpus[1].waited == [a] and gpus[2].waited == [b] and gpus[0].waited == []
+
+
+def test_a_staging_error_after_copies_were_enqueued_waits_for_them(local_dir, monkeypatch):
+    """The slot goes back to the ring when staging fails: copies still landing in it
+    would write into the next save's bytes (or into a re-mapped file)."""
+    in_flight = FakeEvent()
+
+    def enqueue_then_fail(self, job, tensors, layout):
+        job.cuda_done = [(1, in_flight)]
+        raise RuntimeError("a CPU copy failed after the GPU copies were enqueued")
+
+    monkeypatch.setattr(Stager, "_copy_direct", enqueue_then_fail)
+    with incluster.Checkpointer(local_dir=local_dir, job="fail", replicas=0) as ck:
+        h = ck.save(1, {"w": torch.ones(8)})
+        with pytest.raises(Exception, match="CPU copy failed"):
+            h.wait(30)
+        assert in_flight.synced
+
+
+def test_snapshot_views_leave_out_empty_gpu_tensors_below_the_buffer():
+    """An empty GPU tensor placed before a large CPU tensor has its file offset below the
+    buffer's first byte: a view there started somewhere else in the buffer (unaligned for
+    its dtype: every snapshot save of that state failed)."""
+    specs = [TensorSpec("e", "F32", (0,)), TensorSpec("c", "F32", (3 << 18,)), TensorSpec("w", "F32", (1 << 20,)),
+             TensorSpec("b", "BOOL", (3,))]
+    kinds = ["g", "c", "g", "s"]
+    layout = build_layout(specs)
+    lo, hi, runs = make_runs(layout, kinds)
+    assert layout.entries[0].offset < lo
+    buf = torch.zeros(hi - lo, dtype=torch.uint8)
+    gpu, views, inside = buffer_views(layout, kinds, lo, runs, buf)
+    assert gpu == [2]
+    views[0].fill_(1.5)
+    w = layout.entries[2]
+    assert torch.equal(buf[w.offset - lo : w.offset - lo + w.nbytes].view(torch.float32), views[0])
+    assert sorted(inside) == [3] and inside[3].shape == (3,)
+
+
+def test_the_writer_maps_a_slot_again_after_the_trainer_resized_it(tmp_path):
+    """Cut and grown back to its old size, a slot file keeps its inode and size, but its
+    pages past the cut are new: a mapping page-locked before still pins the old ones."""
+    service = CommitService(WriterParams(rank=0, gen=0, store=None, outcome_timeout_s=5, local_dir=str(tmp_path)))
+    unmapped: list[mmap.mmap] = []
+    service.on_unmap = unmapped.append
+    path = str(tmp_path / "slot")
+    with open(path, "wb") as f:
+        f.truncate(1 << 16)
+    try:
+        first = service.map_slot("0", path, 1 << 16, populate=False, gen=1)
+        assert service.map_slot("0", path, 1 << 16, populate=False, gen=1) is first
+        os.truncate(path, 4096)
+        os.truncate(path, 1 << 16)
+        again = service.map_slot("0", path, 1 << 16, populate=False, gen=3)
+        assert again is not first and unmapped == [first]
+    finally:
+        service.close(5)
