@@ -45,6 +45,9 @@ class DeviceDrains:
             torch.cuda.set_device(device)
             self.buf, self.buf_id = None, None  # let go of the old buffer first
             self.buf = rebuild_cuda_tensor(*args)
+            if self.stream is not None and self.stream.device != torch.device("cuda", device):
+                self.stream.synchronize()  # a buffer on another GPU: copies from it need a stream there
+                self.stream = None
             self.buf_id, self.device = buf_id, device
             if self.stream is None:
                 self.stream = torch.cuda.Stream(device=device)
