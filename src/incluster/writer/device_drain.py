@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from incluster.errors import CheckpointError
+from incluster.staging.cuda import HOST_REGISTER_PORTABLE
 from incluster.staging.device_snapshot import copy_out
 from incluster.writer.local_commit import CommitRequest
 
@@ -86,7 +87,7 @@ class DeviceDrains:
             t = torch.frombuffer(mm, dtype=torch.uint8)
             if t.numel():
                 with torch.cuda.device(self.device):  # the commit thread's current device is 0
-                    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+                    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), HOST_REGISTER_PORTABLE)
                 code = int(getattr(err, "value", err))
                 if code != 0:
                     raise CheckpointError(
