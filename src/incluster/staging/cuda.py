@@ -60,22 +60,28 @@ def unregister(slot: Slot) -> None:
     slot.pinned_on = None
 
 
-def active_devices() -> list[int]:
-    """The GPUs this process has a CUDA context on (where its tensors can be)."""
+def active_devices() -> list[int] | None:
+    """The GPUs this process has a CUDA context on (every GPU its tensors can be on);
+    None where torch cannot tell."""
     has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
     if has is None:
-        return [torch.cuda.current_device()]
+        return None
     return [d for d in range(torch.cuda.device_count()) if has(d)]
 
 
-def record_start(devices: Iterable[int] | None = None) -> dict[int, torch.cuda.Event]:
-    """On the trainer thread, in save(): mark where the compute streams are now, on each
-    of ``devices`` (the GPUs the state was on at the last save or ``prepare``; None, not
-    known yet: every GPU this process has a context on). Recording on a GPU without a
-    context would make one there, so only those are marked."""
+def record_start(known: Iterable[int] | None = None) -> dict[int, torch.cuda.Event]:
+    """On the trainer thread, in save(): mark where the compute streams are now, on every
+    GPU this process has a context on - a superset of the state's, even one it moved to
+    since the last save (an event per GPU: microseconds). Recording on a GPU without a
+    context would make one there, so only those are marked. Where torch cannot tell
+    which have one: ``known`` (the GPUs of the last save's or ``prepare``'s state), else
+    the current device."""
     events: dict[int, torch.cuda.Event] = {}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for dev in active_devices() if devices is None else devices:
+        devices = active_devices()
+        if devices is None:
+            devices = list(known) if known else [torch.cuda.current_device()]
+        for dev in devices:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             events[dev] = ev
