@@ -4,6 +4,9 @@ bitwise. Needs two or more GPUs (skipped otherwise, and without CUDA)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -45,6 +48,7 @@ def test_a_state_on_cuda_1_with_the_current_device_0_is_ordered(local_dir, delay
         h = ck.save(2, state)
         _step(m, o)  # cuda:1's stream must wait for the copies, not cuda:0's
         h.wait()
+        assert ck.gpu_snapshot_active is (gpu_snapshot is None)
         _assert_shard(ck.folder, 2, expected)
 
 
@@ -66,3 +70,27 @@ def test_a_state_over_two_gpus_is_ordered_and_restored_bitwise(local_dir, delaye
         assert ck.load({"model": m2, "optim": o2}) == 2
     got = _expected({"model": m2, "optim": o2})
     assert {k: torch.equal(got[k], v) for k, v in expected.items()} == {k: True for k in expected}
+
+
+_ON_CUDA_1_ONLY = """
+import sys, torch, incluster
+m = torch.nn.Linear(1024, 1024).to("cuda:1"); o = torch.optim.AdamW(m.parameters())
+m(torch.randn(8, 1024, device="cuda:1")).sum().backward(); o.step()
+with incluster.Checkpointer(local_dir=sys.argv[1], job="ctx", replicas=0) as ck:
+    ck.prepare({"m": m, "o": o}).result(120)
+    for step in (1, 2):
+        ck.save(step, {"m": m, "o": o}).wait(120)
+        o.step()
+with incluster.Checkpointer(local_dir=sys.argv[1], job="ctx", replicas=0) as ck:
+    assert ck.load({"m": m, "o": o}) == 2
+print("context on GPU 0:", torch._C._cuda_hasPrimaryContext(0))
+"""
+
+
+def test_a_state_on_cuda_1_makes_no_context_on_gpu_0(local_dir):
+    """Each rank of a multi-GPU node on its own GPU: nothing of the save, its threads or
+    the restore makes a CUDA context (~0.5 GiB) on GPU 0."""
+    out = subprocess.run([sys.executable, "-c", _ON_CUDA_1_ONLY, local_dir], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "context on GPU 0: False" in out.stdout, out.stdout[-2000:]

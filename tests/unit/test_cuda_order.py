@@ -82,21 +82,34 @@ def test_the_optimizer_step_waits_on_each_gpus_own_stream(gpus):
     assert gpus[1].waited == [a] and gpus[2].waited == [b] and gpus[0].waited == []
 
 
-def test_a_staging_error_after_copies_were_enqueued_waits_for_them(local_dir, monkeypatch):
+class FakeCopier:
+    def __init__(self) -> None:
+        self.side = FakeEvent()  # a stream: synchronize() is all _settle asks of it
+
+    def streams(self):
+        return [self.side]
+
+
+@pytest.mark.parametrize("evented", [True, False], ids=["with-its-event", "enqueue-failed-half-way"])
+def test_a_staging_error_after_copies_were_enqueued_waits_for_them(local_dir, monkeypatch, evented):
     """The slot goes back to the ring when staging fails: copies still landing in it
-    would write into the next save's bytes (or into a re-mapped file)."""
-    in_flight = FakeEvent()
+    would write into the next save's bytes (or into a re-mapped file). Also copies with
+    no event yet (an enqueue that failed on a later device): their stream is waited for."""
+    in_flight, copier = FakeEvent(), FakeCopier()
 
     def enqueue_then_fail(self, job, tensors, layout):
-        job.cuda_done = [(1, in_flight)]
-        raise RuntimeError("a CPU copy failed after the GPU copies were enqueued")
+        self._cuda = copier
+        if evented:
+            job.cuda_done = [(1, in_flight)]
+        raise RuntimeError("a copy failed after GPU copies were enqueued")
 
     monkeypatch.setattr(Stager, "_copy_direct", enqueue_then_fail)
     with incluster.Checkpointer(local_dir=local_dir, job="fail", replicas=0) as ck:
         h = ck.save(1, {"w": torch.ones(8)})
-        with pytest.raises(Exception, match="CPU copy failed"):
+        with pytest.raises(Exception, match="copy failed"):
             h.wait(30)
-        assert in_flight.synced
+        assert copier.side.synced and in_flight.synced is evented
+        ck._stager._cuda = None  # close() must not reach the fake
 
 
 def test_snapshot_views_leave_out_empty_gpu_tensors_below_the_buffer():

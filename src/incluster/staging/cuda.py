@@ -94,6 +94,9 @@ class CudaCopier:
     def __init__(self) -> None:
         self._streams: dict[int, torch.cuda.Stream] = {}
 
+    def streams(self) -> list[torch.cuda.Stream]:
+        return list(self._streams.values())
+
     def stream(self, dev: int) -> torch.cuda.Stream:
         s = self._streams.get(dev)
         if s is None:

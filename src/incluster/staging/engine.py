@@ -121,8 +121,29 @@ class Stager:
     def device_active(self) -> bool:
         return bool(self._device is not None and self._device.active)
 
-    @torch.no_grad()  # a Parameter copied into the slot must not tie it into the autograd graph
     def run(self, job: StageJob) -> None:
+        try:
+            self._run(job)
+        except BaseException:
+            self._settle(job)
+            raise
+
+    def _settle(self, job: StageJob) -> None:
+        """After a staging error: wait for every copy this thread enqueued (those with an
+        event in ``job.cuda_done`` and any other, a drain's or one of a device whose
+        enqueue failed half way). They still write into the slot and read the state: the
+        slot must not be handed out, re-mapped or unregistered before they land."""
+        waits = [ev for _, ev in job.cuda_done]
+        if self._cuda is not None:
+            waits += list(self._cuda.streams())
+        for w in waits:
+            try:
+                w.synchronize()
+            except Exception:  # noqa: BLE001 - the error being raised says more
+                pass
+
+    @torch.no_grad()  # a Parameter copied into the slot must not tie it into the autograd graph
+    def _run(self, job: StageJob) -> None:
         plan: Any = None
         after: list[tuple[int, torch.Tensor]] = []
         try:
@@ -145,15 +166,6 @@ class Stager:
                     job.mark_staged()
             else:
                 after = self._snap(job, flat.tensors, layout, kinds, plan)
-        except BaseException:
-            # Copies already enqueued still write into the slot (and read the state): the
-            # slot must not be handed out, re-mapped or unregistered before they land.
-            for _, ev in job.cuda_done:
-                try:
-                    ev.synchronize()
-                except Exception:  # noqa: BLE001 - the error being raised says more
-                    pass
-            raise
         finally:
             job.host_done.set()
         for _, ev in job.cuda_done:

@@ -33,7 +33,8 @@ class DeviceDrains:
         self.buf_id: int | None = None
         self.device = 0
         self.stream: Any = None
-        self._pinned: dict[int, torch.Tensor] = {}  # id(mapping) -> its page-locked uint8 view
+        # id(mapping) -> its page-locked uint8 view and the GPU whose context locked it
+        self._pinned: dict[int, tuple[torch.Tensor, int]] = {}
         self._lock = threading.Lock()  # pin (drains, main loop) and unpin (commits, their thread)
         service.on_unmap = self.unpin
 
@@ -81,9 +82,9 @@ class DeviceDrains:
 
     def pin(self, mm: mmap.mmap) -> torch.Tensor:
         with self._lock:
-            t = self._pinned.get(id(mm))
-            if t is not None:
-                return t
+            had = self._pinned.get(id(mm))
+            if had is not None:
+                return had[0]
             t = torch.frombuffer(mm, dtype=torch.uint8)
             if t.numel():
                 with torch.cuda.device(self.device):  # the commit thread's current device is 0
@@ -94,7 +95,7 @@ class DeviceDrains:
                         f"the writer could not page-lock a {t.numel()}-byte slot (CUDA error {code}); raise the "
                         f"locked-memory limit (ulimit -l) or use gpu_drain='trainer'"
                     )
-            self._pinned[id(mm)] = t
+            self._pinned[id(mm)] = (t, self.device)
             return t
 
     def close(self) -> None:
@@ -105,17 +106,20 @@ class DeviceDrains:
         self.buf, self.buf_id = None, None
         with self._lock:
             pinned, self._pinned = list(self._pinned.values()), {}
-        if pinned:
-            with torch.cuda.device(self.device):
-                for t in pinned:
-                    if t.numel():
-                        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        for t, dev in pinned:
+            _unregister(t, dev)
         torch.cuda.ipc_collect()
 
     def unpin(self, mm: mmap.mmap) -> None:
         """Before the service closes a mapping."""
         with self._lock:
-            t = self._pinned.pop(id(mm), None)
-        if t is not None and t.numel():
-            with torch.cuda.device(self.device):  # called on the commit thread too
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            had = self._pinned.pop(id(mm), None)
+        if had is not None:
+            _unregister(*had)
+
+
+def _unregister(t: torch.Tensor, device: int) -> None:
+    """In the context that page-locked it (the commit thread's current device is 0)."""
+    if t.numel():
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
