@@ -99,6 +99,11 @@ def persist_params(config: Config, rank: int, world_size: int, run: str) -> Pers
     tier = open_tier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
     if hasattr(tier, "check_writable"):
         tier.check_writable()
+    if c.writer == "process" and getattr(tier, "process_local", False):
+        raise ValueError(
+            f"persistent={c.persistent!r} is a filesystem in one process's memory: the writer process "
+            f"uploads, so every upload would go into the writer's own memory and be lost with it. Use "
+            f"writer='thread' (uploads then run in this process), or a path or an object store URL")
     if c.writer == "process" and not isinstance(c.persistent, str):
         import pickle
 

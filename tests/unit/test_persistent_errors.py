@@ -59,6 +59,25 @@ def test_a_persistent_path_that_cannot_be_made_is_refused_when_the_checkpointer_
         assert made.is_dir()  # a nested path that does not exist yet is made
 
 
+def test_a_filesystem_in_process_memory_is_refused_with_the_process_writer(local_dir):
+    """memory:// with the default writer process: every upload went into the writer's own
+    memory and was lost with it, while ``persisted`` said True. With writer='thread' the
+    uploads run in this process and a fresh Checkpointer restores from them."""
+    url = f"memory://incluster-mem-{time.monotonic_ns()}"
+    with pytest.raises(ValueError, match="writer='thread'"):
+        incluster.Checkpointer(local_dir=local_dir, job="m", persistent=url)
+    with incluster.Checkpointer(local_dir=local_dir, job="m", persistent=url, persistent_every=1,
+                                writer="thread") as ck:
+        assert ck.save(1, _state(1.0)).persisted.result(30) is True
+    import shutil
+
+    shutil.rmtree(local_dir)
+    state = _state(0.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="m", persistent=url, writer="thread") as ck:
+        assert ck.load(state) == 1 and ck.last_restore.source == "persistent"
+    assert torch.equal(state["w"], _state(1.0)["w"])
+
+
 def test_store_verdicts_and_local_permission_hints_read_as_words():
     from incluster.persist import _words, fix_for
 

@@ -110,6 +110,10 @@ class FsspecTier:
         self.root = root.rstrip("/")
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.posix = protocol in ("file", "local")
+        # A filesystem held in the memory of the process that uses it: the writer process
+        # would upload into its own, which goes when it does
+        self.process_local = protocol == "memory"
+
         self.bucket = self.root.split("/", 1)[0] if protocol in _BUCKETED else None
         self._bucket_seen = False
 
