@@ -7,7 +7,8 @@ first step - while the cluster's RAM, gone with the job's nodes, held newer ones
 ``close()`` uploads the newest durable step when
 
 - the newest due step's upload was skipped (every rank learns the same outcome from the
-  job store: a skip on one rank is published to all), or
+  job store: a skip on one rank is published to all; with ``persistent_interval_s``, the
+  newest save whose word was not "not due"), or
 - ``persist_last`` is set (the integrations set it) and the tier does not have it.
 
 Every rank decides from the same facts - which steps were due, which are durable, each
@@ -54,6 +55,11 @@ def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
         log.info("incluster: rank %d: close() waits up to %.0f s for the word of the persistent upload in flight",
                  ckpt.rank, max(0.0, grace - time.monotonic()))
     due_word = _word(due[2], grace) if due is not None else False
+    if due is not None and due_word is False and (due[2].skip_word or NOT_DUE) == NOT_DUE:
+        # persistent_interval_s: every save is a candidate, decided when its upload would
+        # start; the newest was not due. The newest one that was due says what the tier has.
+        due = ckpt._newest_due_word
+        due_word = _word(due[2], grace) if due is not None else False
     if due_word is None:
         return None  # the newest due upload failed, or its word did not come: no more uploads to that tier
     skipped = due is not None and due_word is False and (due[2].skip_word or NOT_DUE) != NOT_DUE  # not "not due"

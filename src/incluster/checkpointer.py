@@ -167,6 +167,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
         # whose word must not be taken for the upload of the one before it.
         self._uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]] = {}
         self._newest_due: tuple[int, int, SaveHandle] | None = None  # (timeline, step, handle): newest due save
+        # the newest whose upload was due by its word (uploaded, skipped, failed; not "not due")
+        self._newest_due_word: tuple[int, int, SaveHandle] | None = None
         self._newest_durable: tuple[int, int, SaveHandle] | None = None  # (timeline, step, handle)
         # close() uploads the newest durable step whenever the tier lacks it (catch_up.py);
         # without it, only when the newest due upload was skipped. The integrations set it.

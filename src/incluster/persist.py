@@ -313,10 +313,12 @@ class Uploader:
                             "for %.0f s%s: the persistent tier is slow or not answering. Saves to the cluster's RAM "
                             "go on", self.p.rank, step, running, ran, took)
             elif self.skipped == 1:
+                fix = ("raise persistent_interval_s" if self.p.interval_s else
+                       "raise persistent_every, or use persistent_interval_s")
                 log.warning("incluster: rank %d skips the persistent save of step %d: the upload of step %s is "
-                            "still running (for %.1f s%s). Uploads take longer than persistent_every saves apart: "
-                            "raise persistent_every, or use persistent_interval_s (later skips are logged at INFO, "
-                            "counted)", self.p.rank, step, running, ran, took)
+                            "still running (for %.1f s%s). Uploads take longer than the saves due are apart: %s "
+                            "(later skips are logged at INFO, counted; close() uploads the newest step)",
+                            self.p.rank, step, running, ran, took, fix)
             else:
                 log.info("incluster: rank %d skips the persistent save of step %d: the upload of step %s is still "
                          "running, for %.1f s (%d skipped so far)", self.p.rank, step, running, ran, self.skipped)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from incluster.errors import (CheckpointError, CommitError, PeerTimeoutError, St
                               WriterProcessDied)
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
+from incluster.persist import NOT_DUE
 from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
@@ -82,6 +84,7 @@ class SavePipeline:
     _lock: threading.Lock
     _uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]]
     _newest_due: tuple[int, int, SaveHandle] | None
+    _newest_due_word: tuple[int, int, SaveHandle] | None
     _newest_durable: tuple[int, int, SaveHandle] | None
     _early_persisted: dict[tuple[int, int], str | None]
     _loaded: bool
@@ -157,6 +160,7 @@ class SavePipeline:
             if persist:
                 if self._newest_due is None or (job.timeline, job.step) > self._newest_due[:2]:
                     self._newest_due = (job.timeline, job.step, handle)
+                handle.persisted.add_done_callback(functools.partial(self._due_word, (job.timeline, job.step), handle))
                 with self._lock:  # pinned and unpinned under this lock: never pinned after its upload ended
                     early = self._early_persisted.pop((job.timeline, job.step), _NO_WORD)
                     if early is _NO_WORD:
@@ -258,6 +262,18 @@ class SavePipeline:
                     self._early_persisted.pop(min(self._early_persisted))
         if handle is not None:
             self._report_persisted(step, handle, err)
+
+    def _due_word(self, key: tuple[int, int], handle: SaveHandle, fut: "Future[bool]") -> None:
+        """A candidate's upload word came: unless it says "not due" (``persistent_interval_s``
+        decides only when the upload would start), it is the newest due save so far. close()'s
+        catch-up looks there when the newest candidate was not due: a due save skipped for a
+        running upload, followed by saves inside the interval, left the tier behind."""
+        if not fut.cancelled() and fut.exception() is None and fut.result() is False \
+                and (handle.skip_word or NOT_DUE) == NOT_DUE:
+            return
+        with self._lock:
+            if self._newest_due_word is None or key > self._newest_due_word[:2]:
+                self._newest_due_word = (*key, handle)
 
     def _report_persisted(self, step: int, handle: SaveHandle, err: str | None) -> None:
         if handle.persisted.done():  # told twice (close() resolving what a late word also resolves)
