@@ -84,13 +84,13 @@ class _Loader:
                 return type(live)(*out)  # a namedtuple stays one
             return tuple(out) if "t" in node else out
         if "P" in node:
-            if self.collect is not None:
-                return None
-            if not self.allow_pickle:
+            if not self.allow_pickle:  # the dry walk too: refused before any byte lands
                 raise CheckpointError(
                     f"{path}: this checkpoint holds a pickled object; loading it can run code. Pass "
                     f"allow_pickle=True only if you trust whoever wrote this checkpoint"
                 )
+            if self.collect is not None:
+                return None
             return pickle.loads(self.fetch(node["P"]).numpy().tobytes())
         raise CheckpointError(f"{path}: unknown tree node {sorted(node)} in the checkpoint record")
 

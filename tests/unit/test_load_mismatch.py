@@ -49,6 +49,22 @@ def test_a_shape_mismatch_is_refused_before_any_tensor_is_overwritten(local_dir)
     assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
 
 
+def test_a_pickled_value_without_allow_pickle_is_refused_before_any_tensor_is_overwritten(local_dir):
+    import fractions
+
+    torch.manual_seed(0)
+    with incluster.Checkpointer(local_dir=local_dir, job="pk", replicas=0, allow_pickle=True) as ck:
+        ck.save(1, {"model": torch.nn.Linear(8, 8), "extra": {"frac": fractions.Fraction(1, 3)}}).wait(30)
+    torch.manual_seed(1)
+    live = torch.nn.Linear(8, 8)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with incluster.Checkpointer(local_dir=local_dir, job="pk", replicas=0) as ck:
+        with pytest.raises(CheckpointError, match="extra/frac: this checkpoint holds a pickled object") as err:
+            ck.load({"model": live, "extra": {"frac": None}})
+    assert "partly overwritten" not in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
+
+
 def test_a_refused_load_leaves_a_fresh_optimizer_without_state(local_dir):
     """The usual restart builds the model and optimizer, then loads. Into a model of
     another size the load is refused, but the fresh optimizer was left at step 1 with
