@@ -66,6 +66,13 @@ class Coordinator(Protocol):
     def committed(self, step: int) -> None:
         """Count one committed copy of ``step``; completes the step if it is the last."""
 
+    def forced(self, step: int) -> int:
+        """Count this rank's ``save(step, persist=True)`` (before its commit is counted);
+        ``forced(step)`` with nothing to count is :meth:`forced_count`."""
+
+    def forced_count(self, step: int) -> int:
+        """How many ranks saved ``step`` with persist=True (all of them, once it committed)."""
+
     def failed(self, step: int, reason: str) -> str:
         """Tell every rank that ``step`` can never commit, unless it is decided already;
         returns the step's outcome as it now stands (``ok`` if it had committed)."""
@@ -110,6 +117,12 @@ class SoloCoordinator:
 
     def committed(self, step: int) -> None:
         self._outcomes[(self._t, step)] = Outcome.COMMITTED.value
+
+    def forced(self, step: int) -> int:
+        return 1
+
+    def forced_count(self, step: int) -> int:
+        return 1
 
     def failed(self, step: int, reason: str) -> str:
         return self._outcomes.setdefault((self._t, step), f"{Outcome.FAILED.value}:0:{reason}")
@@ -182,6 +195,12 @@ class StoreCoordinator:
 
     def _k(self, kind: str, step: int | None = None) -> str:
         return f"{self._base}{kind}" if step is None else f"{self._p}{kind}/{step}"
+
+    def forced(self, step: int) -> int:
+        return int(self.store.add(self._k("f", step), 1))
+
+    def forced_count(self, step: int) -> int:
+        return int(self.store.add(self._k("f", step), 0))
 
     def committed(self, step: int) -> None:
         n = self.store.add(self._k("c", step), 1)

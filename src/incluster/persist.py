@@ -213,6 +213,16 @@ class Uploader:
                      "%d to end", self.p.rank, step, waiting)
 
         def wait_then_start() -> None:
+            why = self._not_forced_alike(step, timeline)
+            if why is not None:
+                with self._fate:
+                    if self._forced == key:
+                        self._forced = None
+                    mine = self._deciding.pop(key, None) is not None  # else cancel() reported it
+                self._publish_failure(step, why, timeline)  # a rank that did upload it waits no longer
+                if mine:
+                    self._report(done, why)
+                return
             while not self._busy.acquire(timeout=0.5):
                 with self._fate:
                     if key not in self._deciding:  # replaced, or cancel() reported it
@@ -225,6 +235,23 @@ class Uploader:
 
         threading.Thread(target=wait_then_start, name=f"incluster-persist-wait-{step}", daemon=True).start()
         return True
+
+    def _not_forced_alike(self, step: int, timeline: int) -> str | None:
+        """Why ``save(step, persist=True)`` cannot reach the tier: not every rank passed it
+        (the others upload nothing, and this rank's upload waited ``slot_timeout_s`` for
+        their shards). Known once the step commits: each rank counts its persist=True first."""
+        if self.p.world_size <= 1 or timeline >= AGAIN:  # close()'s catch-up: decided alike from words
+            return None
+        coord = self.decisions.at(timeline)  # a blocking wait: never on the client uploads count with
+        try:
+            coord.wait_outcome(step, self.p.timeout_s)
+            n = coord.forced_count(step)
+        except Exception:  # noqa: BLE001 - a failed step or a lost store: the upload reports that
+            return None
+        if n >= self.p.world_size:
+            return None
+        return (f"save({step}, persist=True) was called on {n} of {self.p.world_size} ranks; the others did "
+                f"not upload step {step}: pass the same persist= on every rank")
 
     def _report(self, done: Callable[[str | None], None] | None, why: str | None) -> None:
         """Tell a step's outcome (``done`` None: told already), then count it as no longer active."""

@@ -1,5 +1,6 @@
 """``persistent_interval_s``: every rank agrees which saves persist, the first always does,
-and no rank's commit waits for rank 0's decision (rank 0's commit may be slow)."""
+and no rank's commit waits for rank 0's decision (rank 0's commit may be slow); close()
+catches the tier up on every rank; ranks that disagree on ``persist=`` are told at once."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def test_close_uploads_the_newest_step_on_every_rank_when_due_uploads_were_skipp
     assert res[0]["persisted"] == res[1]["persisted"] == [0], res  # 2 and 4 came while 0 uploaded
     manifest = json.load(open(os.path.join(persist, "catch", "step-000000000005", "COMMITTED.json")))
     assert sorted(r["rank"] for r in manifest["ranks"]) == [0, 1]
+
+
+DISAGREE = os.path.join(os.path.dirname(__file__), "persist_disagree_script.py")
+
+
+def test_ranks_that_disagree_on_persist_are_told_at_once_not_after_slot_timeout_s(local_dir):
+    """Rank 0 passes persist=True, rank 1 not: rank 1 uploads nothing, and rank 0's upload
+    waited slot_timeout_s for its shard, then close() as long again, with no word of why."""
+    out, persist = os.path.join(local_dir, "out"), os.path.join(local_dir, "persist")
+    os.makedirs(out)
+    job = launch([DISAGREE, out, persist], nodes=["n0", "n1"], ranks_per_node=1, base_dir=local_dir)
+    codes = job.wait(150)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    r0, r1 = (json.load(open(os.path.join(out, f"result-r{r}.json"))) for r in range(2))
+    assert "persist=True) was called on 1 of 2 ranks" in r0.get("error", ""), r0
+    assert r0["persisted_s"] < 20 and r0["close_s"] < 20, r0  # slot_timeout_s is 60
+    assert r1 == {"persisted": False, "persisted_s": r1["persisted_s"], "close_s": r1["close_s"]}, r1
+    assert not os.path.exists(os.path.join(persist, "disagree", "step-000000000002", "COMMITTED.json"))

@@ -108,6 +108,8 @@ class CommitService:
         except BaseException as exc:
             self.fail(req.step, f"{type(exc).__name__}: {exc}", req.timeline)
             raise
+        if req.persist is True and self.uploader is not None:  # counted first: complete once the step commits
+            self.coord.at(req.timeline).forced(req.step)
         self.coord.at(req.timeline).committed(req.step)
         faults.check("counted", req.rank, req.step)
         import json
