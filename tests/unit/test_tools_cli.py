@@ -317,10 +317,19 @@ def test_truncated_shard_and_bad_sidecar_are_faults(cluster: dict[str, str], cap
     assert "100 bytes on disk but the sidecar says" in text and "sidecar is not valid JSON" in text
     assert "rank 1 cannot be restored: all 2 of its copies are corrupt" in text
     code, text = inproc(capsys, "ls", *cluster.values())
-    assert code == 0 and "unreadable sidecar" in text and "2/2" in text  # rank 1 still has one sidecar
+    # rank 1 still has one sidecar, but no usable copy: the ranks column counts usable ones
+    assert code == 0 and "unreadable sidecar" in text and "1/2" in text, text
     # ls reads no shard bytes, but a shard file of the wrong size is not a usable copy
     assert "every copy of rank 1 is damaged" in text and "damaged copy:" in text and "complete" not in text.replace(
         "incomplete", ""), text
+
+
+def test_a_rank_folder_given_as_dir_is_named_with_its_job_folder(cluster: dict[str, str], capsys: Any) -> None:
+    rank_dir = os.path.join(cluster["nodeA"], "j", "rank-00000")
+    for cmd in ("verify", "ls"):
+        code, text = inproc(capsys, cmd, rank_dir)
+        assert "is one rank's folder: name its job folder" in " ".join(text.split()), text
+        assert os.path.join(cluster["nodeA"], "j") in text.replace("\n", ""), text
 
 
 def test_an_incomplete_step_newer_than_the_restorable_one_is_a_warning_not_a_fault(cluster: dict[str, str],

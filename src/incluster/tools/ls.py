@@ -46,7 +46,7 @@ def table(inv: Inventory, any_shared: bool) -> Table:
     rows = []
     for (job, step), ranks in inv.steps().items():
         w, _ = world_size(ranks)
-        present = sum(1 for cs in ranks.values() if any(c.sidecar for c in cs))
+        present = sum(1 for cs in ranks.values() if any(c.sidecar and not c.damage for c in cs))  # usable
         copies = [c for cs in ranks.values() for c in cs]
         nodes = sorted({c.holder for c in copies if c.tier != "persistent"})
         tiers = sorted({c.tier for c in copies}, key=["ram", "replica", "persistent"].index)
@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if inv is None:
         return 2
     if not inv.copies:
-        out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}{inv.elsewhere(args.job)}",
+        out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}{inv.elsewhere(args.job)}"
+                  f"{inv.rank_folders(args.dirs)}",
                   markup=False)
     else:
         shared = any(c.shared for c in inv.copies)

@@ -72,6 +72,17 @@ class Inventory:
     folders: set[tuple[str, int]] = field(default_factory=set)  # (job, rank) with a folder (or tier entry) scanned
     jobs: set[str] = field(default_factory=set)  # every job found, before --job filtered them
 
+    @staticmethod
+    def rank_folders(dirs: list[str]) -> str:
+        """For the message when nothing was found: a DIR that is one rank's folder of a job
+        (``<job>/rank-RRRRR``) is not where copies are looked for; name its job folder."""
+        import os
+        import re
+
+        hits = [d for d in dirs if re.fullmatch(r"rank-\d{5}", os.path.basename(os.path.normpath(d)))]
+        return "".join(f"; {d} is one rank's folder: name its job folder "
+                       f"({os.path.dirname(os.path.normpath(d))}) or the node's RAM folder" for d in hits)
+
     def elsewhere(self, job: str | None) -> str:
         """Where --job left everything out: the jobs that are there, for the message."""
         others = sorted(self.jobs - {job}) if job is not None and job not in self.jobs else []

@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         what = f"step {args.step}" if args.step is not None else "checkpoints"
         there = sorted({s for _, s in every})
         held = f" (it holds step{'s' if len(there) != 1 else ''} {', '.join(map(str, there))})" if there else ""
-        line(out, "[red]FAULT:[/]", f"no {what} found under {where}{held}{inv.elsewhere(args.job)}")
+        line(out, "[red]FAULT:[/]", f"no {what} found under {where}{held}{inv.elsewhere(args.job)}"
+                                    f"{inv.rank_folders(args.dirs)}")
         return 1
     copies = [c for ranks in steps.values() for cs in ranks.values() for c in cs]
     results = check_copies(copies, err)
