@@ -454,3 +454,19 @@ def test_without_dir_a_missing_ram_folder_and_a_job_not_there_are_named(real: tu
         assert code == rc and "job 'nojob' is not there, these are: j" in text, (cmd, text)
     code, text = inproc(capsys, "verify", root, "--job", "j", "--step", "99")  # the job is there, the step is not
     assert code == 1 and "no step 99 found" in text and "is not there" not in text, text
+
+
+def test_an_object_store_refusal_names_the_tier_and_what_to_check(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: Any) -> None:
+    """botocore's own words ("The request signature we calculated does not match ...")
+    name neither the URL nor the settings the commands read."""
+    import incluster.tools.ui as ui
+
+    def refused(*_: Any) -> None:
+        raise PermissionError("The request signature we calculated does not match the signature you provided")
+
+    monkeypatch.setattr(ui, "scan", refused)
+    code, text = inproc(capsys, "ls", "--persistent", "s3://bucket/run")
+    text = " ".join(text.split())
+    assert code == 2 and "reading the persistent tier s3://bucket/run: The request signature" in text, text
+    assert "AWS_SECRET_ACCESS_KEY" in text, text

@@ -46,7 +46,15 @@ def load(args: argparse.Namespace, err: Console) -> Inventory | None:
     try:
         return scan(args.dirs, args.persistent, args.job)
     except (CheckpointError, OSError) as exc:
-        line(err, "[red]error:[/]", str(exc))
+        text = str(exc)
+        tiers = list(getattr(args, "persistent", None) or [])
+        if tiers and isinstance(exc, OSError) and not any(t in text for t in tiers + list(args.dirs)):
+            # an object store's own words name neither the URL nor what to check
+            text = f"reading the persistent tier {', '.join(tiers)}: {text}"
+            if isinstance(exc, PermissionError):
+                text += ("; check the AWS settings these commands read (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                         "AWS_ENDPOINT_URL, ~/.aws/config)")
+        line(err, "[red]error:[/]", text)
         return None
 
 
