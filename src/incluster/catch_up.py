@@ -55,11 +55,18 @@ def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
         log.info("incluster: rank %d: close() waits up to %.0f s for the word of the persistent upload in flight",
                  ckpt.rank, max(0.0, grace - time.monotonic()))
     due_word = _word(due[2], grace) if due is not None else False
-    if due is not None and due_word is False and (due[2].skip_word or NOT_DUE) == NOT_DUE:
+    if due is not None and due_word is False and _not_due(due[2]):
         # persistent_interval_s: every save is a candidate, decided when its upload would
         # start; the newest was not due. The newest one that was due says what the tier has.
-        due = ckpt._newest_due_word
-        due_word = _word(due[2], grace) if due is not None else False
+        # Words come in any order (a skip is published before it is told): newest first.
+        for cand in reversed(list(ckpt._candidates)):
+            word = _word(cand[2], grace)
+            if word is not False or not _not_due(cand[2]):
+                due, due_word = cand, word
+                break
+        else:  # older than the candidates kept: their words came long ago
+            due = ckpt._newest_due_word
+            due_word = _word(due[2], grace) if due is not None else False
     if due_word is None:
         return None  # the newest due upload failed, or its word did not come: no more uploads to that tier
     skipped = due is not None and due_word is False and (due[2].skip_word or NOT_DUE) != NOT_DUE  # not "not due"
@@ -81,6 +88,11 @@ def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
     log.info("incluster: rank %d: close() uploads step %d to the persistent tier (%s)", ckpt.rank, step, why)
     ckpt._writer.persist_again(ckpt.folder, step, timeline)
     return again
+
+
+def _not_due(handle: SaveHandle) -> bool:
+    """A candidate's word said "not due" (only then is ``persisted`` False without a skip)."""
+    return handle.persisted.done() and (handle.skip_word or NOT_DUE) == NOT_DUE
 
 
 def _word(handle: SaveHandle, deadline: float) -> bool | None:

@@ -13,6 +13,7 @@ than one rank exists (every rank must call them); save() never is.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import re
@@ -167,8 +168,10 @@ class Checkpointer(SavePipeline, LoadPipeline):
         # whose word must not be taken for the upload of the one before it.
         self._uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]] = {}
         self._newest_due: tuple[int, int, SaveHandle] | None = None  # (timeline, step, handle): newest due save
-        # the newest whose upload was due by its word (uploaded, skipped, failed; not "not due")
+        # the newest whose upload was due by its word (uploaded, skipped, failed; not "not due"),
+        # and the newest candidates, whose words may come in any order (persistent_interval_s)
         self._newest_due_word: tuple[int, int, SaveHandle] | None = None
+        self._candidates: collections.deque[tuple[int, int, SaveHandle]] = collections.deque(maxlen=64)
         self._newest_durable: tuple[int, int, SaveHandle] | None = None  # (timeline, step, handle)
         # close() uploads the newest durable step whenever the tier lacks it (catch_up.py);
         # without it, only when the newest due upload was skipped. The integrations set it.

@@ -67,11 +67,14 @@ class Coordinator(Protocol):
         """Count one committed copy of ``step``; completes the step if it is the last."""
 
     def forced(self, step: int) -> int:
-        """Count this rank's ``save(step, persist=True)`` (before its commit is counted);
-        ``forced(step)`` with nothing to count is :meth:`forced_count`."""
+        """Count this rank as one that uploads ``step`` (before its commit is counted)."""
 
     def forced_count(self, step: int) -> int:
-        """How many ranks saved ``step`` with persist=True (all of them, once it committed)."""
+        """How many ranks upload ``step`` (final once it committed)."""
+
+    def outcome(self, step: int, timeout: float) -> str | None:
+        """``step``'s outcome once decided, None if not within ``timeout``: only reads
+        (:meth:`wait_outcome` decides a step it timed out on as failed, for every rank)."""
 
     def failed(self, step: int, reason: str) -> str:
         """Tell every rank that ``step`` can never commit, unless it is decided already;
@@ -123,6 +126,9 @@ class SoloCoordinator:
 
     def forced_count(self, step: int) -> int:
         return 1
+
+    def outcome(self, step: int, timeout: float) -> str | None:
+        return self._outcomes.get((self._t, step))
 
     def failed(self, step: int, reason: str) -> str:
         return self._outcomes.setdefault((self._t, step), f"{Outcome.FAILED.value}:0:{reason}")
@@ -201,6 +207,13 @@ class StoreCoordinator:
 
     def forced_count(self, step: int) -> int:
         return int(self.store.add(self._k("f", step), 0))
+
+    def outcome(self, step: int, timeout: float) -> str | None:
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=timeout))
+            return self.store.get(self._k("o", step)).decode()
+        except Exception:  # noqa: BLE001 - not decided in time, or the store is gone
+            return None
 
     def committed(self, step: int) -> None:
         n = self.store.add(self._k("c", step), 1)

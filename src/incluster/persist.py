@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from incluster.commit import Coordinator
+from incluster.commit import Coordinator, Outcome
 from incluster.errors import CheckpointError
 from incluster.testing import faults
 from incluster.tier_layout import STEP_FOLDER, MANIFEST, SET_ASIDE, manifested_steps, step_dir
@@ -237,21 +237,25 @@ class Uploader:
         return True
 
     def _not_forced_alike(self, step: int, timeline: int) -> str | None:
-        """Why ``save(step, persist=True)`` cannot reach the tier: not every rank passed it
-        (the others upload nothing, and this rank's upload waited ``slot_timeout_s`` for
-        their shards). Known once the step commits: each rank counts its persist=True first."""
-        if self.p.world_size <= 1 or timeline >= AGAIN:  # close()'s catch-up: decided alike from words
-            return None
+        """Why ``save(step, persist=True)`` cannot reach the tier: not every rank uploads it
+        (another passed persist=None for a step not due, or False), and this rank's upload
+        waited ``slot_timeout_s`` for their shards. Known once the step commits: each rank
+        that uploads a step counts itself first (``persistent_every`` only: with
+        ``persistent_interval_s`` the others' uploads are decided later, and not checked)."""
+        if self.p.world_size <= 1 or timeline >= AGAIN or self.p.interval_s is not None:
+            return None  # AGAIN: close()'s catch-up, decided alike from words
         coord = self.decisions.at(timeline)  # a blocking wait: never on the client uploads count with
         try:
-            coord.wait_outcome(step, self.p.timeout_s)
+            if coord.outcome(step, self.p.timeout_s) != Outcome.COMMITTED.value:  # read only; failed: the upload says
+                return None
             n = coord.forced_count(step)
-        except Exception:  # noqa: BLE001 - a failed step or a lost store: the upload reports that
+        except Exception:  # noqa: BLE001 - a lost store: the upload reports that
             return None
         if n >= self.p.world_size:
             return None
-        return (f"save({step}, persist=True) was called on {n} of {self.p.world_size} ranks; the others did "
-                f"not upload step {step}: pass the same persist= on every rank")
+        return (f"save({step}, persist=True): only {n} of {self.p.world_size} ranks upload step {step} (the "
+                f"others passed persist=None for a step not due, or persist=False): pass the same persist= on "
+                f"every rank")
 
     def _report(self, done: Callable[[str | None], None] | None, why: str | None) -> None:
         """Tell a step's outcome (``done`` None: told already), then count it as no longer active."""

@@ -9,6 +9,7 @@ caller once, wrapped with what to do.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -85,6 +86,7 @@ class SavePipeline:
     _uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]]
     _newest_due: tuple[int, int, SaveHandle] | None
     _newest_due_word: tuple[int, int, SaveHandle] | None
+    _candidates: "collections.deque[tuple[int, int, SaveHandle]]"
     _newest_durable: tuple[int, int, SaveHandle] | None
     _early_persisted: dict[tuple[int, int], str | None]
     _loaded: bool
@@ -160,6 +162,7 @@ class SavePipeline:
             if persist:
                 if self._newest_due is None or (job.timeline, job.step) > self._newest_due[:2]:
                     self._newest_due = (job.timeline, job.step, handle)
+                    self._candidates.append(self._newest_due)
                 handle.persisted.add_done_callback(functools.partial(self._due_word, (job.timeline, job.step), handle))
                 with self._lock:  # pinned and unpinned under this lock: never pinned after its upload ended
                     early = self._early_persisted.pop((job.timeline, job.step), _NO_WORD)

@@ -99,11 +99,13 @@ def persist_params(config: Config, rank: int, world_size: int, run: str) -> Pers
     tier = open_tier(c.persistent, c.persistent_options)  # fail here, clearly, if it cannot be reached
     if hasattr(tier, "check_writable"):
         tier.check_writable()
-    if c.writer == "process" and getattr(tier, "process_local", False):
+    if getattr(tier, "process_local", False) and (c.writer == "process" or world_size > 1):
+        who = ("the writer process uploads, so every upload would go into the writer's own memory and be "
+               "lost with it" if c.writer == "process" else
+               f"each of the {world_size} ranks is a process of its own, so no rank would see another's shards")
         raise ValueError(
-            f"persistent={c.persistent!r} is a filesystem in one process's memory: the writer process "
-            f"uploads, so every upload would go into the writer's own memory and be lost with it. Use "
-            f"writer='thread' (uploads then run in this process), or a path or an object store URL")
+            f"persistent={c.persistent!r} is a filesystem in one process's memory: {who}. Use a path or an "
+            f"object store URL" + (", or writer='thread' in a one-process job" if world_size == 1 else ""))
     if c.writer == "process" and not isinstance(c.persistent, str):
         import pickle
 

@@ -2,7 +2,8 @@
 
     python persist_disagree_script.py OUT_DIR PERSIST_DIR     (2 ranks, 2 nodes)
 
-``persistent_every=100`` (only the run's first save is due), ``slot_timeout_s=60``; both
+``persistent_every=100`` (only the run's first save is due; EVERY in the environment
+sets it: with 1, step 2 is due anyway and both upload it), ``slot_timeout_s=60``; both
 ranks save steps 0-2, rank 0 passing persist=True for step 2. Records how long rank 0's
 ``persisted`` of step 2 took to resolve and what it said, and how long close() took.
 Writes ``OUT_DIR/result-r{rank}.json``.
@@ -26,7 +27,8 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     state = {"w": torch.arange(4096, dtype=torch.float32) + rank}
-    ck = incluster.Checkpointer(job="disagree", replicas=0, persistent=persist, persistent_every=100,
+    ck = incluster.Checkpointer(job="disagree", replicas=0, persistent=persist,
+                                persistent_every=int(os.environ.get("EVERY", "100")),
                                 slot_timeout_s=60)
     res: dict = {}
     try:

@@ -66,6 +66,14 @@ def test_a_filesystem_in_process_memory_is_refused_with_the_process_writer(local
     url = f"memory://incluster-mem-{time.monotonic_ns()}"
     with pytest.raises(ValueError, match="writer='thread'"):
         incluster.Checkpointer(local_dir=local_dir, job="m", persistent=url)
+    from incluster.config import resolve
+    from incluster.testing import SlowTier
+    from incluster.wiring import persist_params
+
+    with pytest.raises(ValueError, match="writer process uploads"):  # wrapped, as a test rehearses a slow tier
+        persist_params(resolve(local_dir=local_dir, job="m", persistent=SlowTier(FsspecTier(url))), 0, 1, "r")
+    with pytest.raises(ValueError, match="each of the 2 ranks is a process of its own"):
+        persist_params(resolve(local_dir=local_dir, job="m", persistent=url, writer="thread"), 0, 2, "r")
     with incluster.Checkpointer(local_dir=local_dir, job="m", persistent=url, persistent_every=1,
                                 writer="thread") as ck:
         assert ck.save(1, _state(1.0)).persisted.result(30) is True

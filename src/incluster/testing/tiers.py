@@ -69,6 +69,10 @@ class FaultyTier:
         """Whether the tier it wraps is a local folder (its errors name that folder)."""
         return bool(getattr(self.inner, "posix", False)) if self._posix is None else self._posix
 
+    @property
+    def process_local(self) -> bool:
+        return bool(getattr(self.inner, "process_local", False))
+
     def write(self, path: str, data: memoryview, *, atomic: bool = True) -> None:
         self._gate("write", path)
         self.inner.write(path, data, atomic=atomic)
@@ -132,6 +136,10 @@ class SlowTier:
 
     def close(self) -> None:
         self.inner.close()
+
+    @property
+    def process_local(self) -> bool:
+        return bool(getattr(self.inner, "process_local", False))
 
     def __repr__(self) -> str:
         return f"SlowTier({self.inner!r}, bytes_per_s={self.bytes_per_s}, latency_s={self.latency_s})"

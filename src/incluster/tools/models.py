@@ -79,7 +79,7 @@ class Inventory:
         import os
         import re
 
-        hits = [d for d in dirs if re.fullmatch(r"rank-\d{5}", os.path.basename(os.path.normpath(d)))]
+        hits = [d for d in dirs if re.fullmatch(r"rank-\d{5,}", os.path.basename(os.path.normpath(d)))]
         return "".join(f"; {d} is one rank's folder: name its job folder "
                        f"({os.path.dirname(os.path.normpath(d))}) or the node's RAM folder" for d in hits)
 

@@ -51,7 +51,7 @@ def load(args: argparse.Namespace, err: Console) -> Inventory | None:
         if tiers and isinstance(exc, OSError) and not any(t in text for t in tiers + list(args.dirs)):
             # an object store's own words name neither the URL nor what to check
             text = f"reading the persistent tier {', '.join(tiers)}: {text}"
-            if isinstance(exc, PermissionError):
+            if isinstance(exc, PermissionError) and any(t.startswith(("s3://", "s3a://")) for t in tiers):
                 text += ("; check the AWS settings these commands read (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
                          "AWS_ENDPOINT_URL, ~/.aws/config)")
         line(err, "[red]error:[/]", text)

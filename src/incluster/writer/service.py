@@ -69,8 +69,10 @@ class CommitService:
         if params.persist is not None:
             from incluster.persist import Uploader
 
-            timed = params.persist.interval_s is not None
-            self.uploader = Uploader(params.persist, _coordinator(params), _coordinator(params) if timed else None)
+            # Blocking waits (time-based decisions, a persist=True save's outcome) on a client
+            # of their own: a store client serves one call at a time, and an upload's count
+            # must never queue behind one.
+            self.uploader = Uploader(params.persist, _coordinator(params), _coordinator(params))
         self.replicator = None
         if (params.targets or params.sources) and params.store is not None:
             from incluster.replication import Replicator
@@ -108,7 +110,11 @@ class CommitService:
         except BaseException as exc:
             self.fail(req.step, f"{type(exc).__name__}: {exc}", req.timeline)
             raise
-        if req.persist is True and self.uploader is not None:  # counted first: complete once the step commits
+        persist = self.uploader is not None and (self.uploader.due(req.step, ordinal) if req.persist is None
+                                                 else req.persist)
+        if persist and self.uploader is not None and self.uploader.p.interval_s is None:
+            # Counted before the commit: once the step commits, the count says how many
+            # ranks upload it (a persist=True save checks that every rank does)
             self.coord.at(req.timeline).forced(req.step)
         self.coord.at(req.timeline).committed(req.step)
         faults.check("counted", req.rank, req.step)
@@ -118,8 +124,6 @@ class CommitService:
         from incluster.replication import OwnShard
 
         own = OwnShard(json.dumps(sidecar.to_json()).encode(), buf, req.size, content_id(sidecar.checksum))
-        persist = self.uploader is not None and (self.uploader.due(req.step, ordinal) if req.persist is None
-                                                 else req.persist)
         if persist:
             self.uploader.loaded = req.loaded  # type: ignore[union-attr]
         return path, own, persist
