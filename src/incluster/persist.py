@@ -94,9 +94,12 @@ class _Cancelled(Exception):
 
 
 class Uploader:
-    def __init__(self, params: PersistParams, coord: Coordinator, decisions: Coordinator | None = None) -> None:
+    def __init__(self, params: PersistParams, coord: Coordinator, decisions: Coordinator | None = None,
+                 spare: Callable[[], Coordinator] | None = None) -> None:
         self.p = params
         self.coord = coord
+        self._spare = spare  # makes a client of its own for a blocking wait, when first needed
+        self._waits: Coordinator | None = None
         # Time-based decisions block on their own store client: a store client serves one
         # blocking wait at a time, and an upload's count must never queue behind one.
         self.decisions = decisions or coord
@@ -244,7 +247,7 @@ class Uploader:
         ``persistent_interval_s`` the others' uploads are decided later, and not checked)."""
         if self.p.world_size <= 1 or timeline >= AGAIN or self.p.interval_s is not None:
             return None  # AGAIN: close()'s catch-up, decided alike from words
-        coord = self.decisions.at(timeline)  # a blocking wait: never on the client uploads count with
+        coord = self._wait_client().at(timeline)
         try:
             if coord.outcome(step, self.p.timeout_s) != Outcome.COMMITTED.value:  # read only; failed: the upload says
                 return None
@@ -256,6 +259,16 @@ class Uploader:
         return (f"save({step}, persist=True): only {n} of {self.p.world_size} ranks upload step {step} (the "
                 f"others passed persist=None for a step not due, or persist=False): pass the same persist= on "
                 f"every rank")
+
+    def _wait_client(self) -> Coordinator:
+        """A store client for a blocking wait, never the one uploads count with (a client
+        serves one call at a time): the decisions' own where there is one, else one made
+        at the first wait (a persist=True save; most runs never make it)."""
+        if self.decisions is not self.coord or self._spare is None:
+            return self.decisions
+        if self._waits is None:
+            self._waits = self._spare()
+        return self._waits
 
     def _report(self, done: Callable[[str | None], None] | None, why: str | None) -> None:
         """Tell a step's outcome (``done`` None: told already), then count it as no longer active."""

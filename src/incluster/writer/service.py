@@ -71,8 +71,11 @@ class CommitService:
 
             # Blocking waits (time-based decisions, a persist=True save's outcome) on a client
             # of their own: a store client serves one call at a time, and an upload's count
-            # must never queue behind one.
-            self.uploader = Uploader(params.persist, _coordinator(params), _coordinator(params))
+            # must never queue behind one. Without time-based decisions it is made only when
+            # a persist=True save first needs it.
+            timed = params.persist.interval_s is not None
+            self.uploader = Uploader(params.persist, _coordinator(params), _coordinator(params) if timed else None,
+                                     spare=lambda: _coordinator(params))
         self.replicator = None
         if (params.targets or params.sources) and params.store is not None:
             from incluster.replication import Replicator
