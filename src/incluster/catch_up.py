@@ -55,13 +55,13 @@ def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
         log.info("incluster: rank %d: close() waits up to %.0f s for the word of the persistent upload in flight",
                  ckpt.rank, max(0.0, grace - time.monotonic()))
     due_word = _word(due[2], grace) if due is not None else False
-    if due is not None and due_word is False and _not_due(due[2]):
+    if due is not None and not_due(due[2]):
         # persistent_interval_s: every save is a candidate, decided when its upload would
         # start; the newest was not due. The newest one that was due says what the tier has.
         # Words come in any order (a skip is published before it is told): newest first.
         for cand in reversed(list(ckpt._candidates)):
             word = _word(cand[2], grace)
-            if word is not False or not _not_due(cand[2]):
+            if not not_due(cand[2]):  # uploaded, skipped, failed, or no word by the deadline
                 due, due_word = cand, word
                 break
         else:  # older than the candidates kept: their words came long ago
@@ -69,7 +69,7 @@ def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
             due_word = _word(due[2], grace) if due is not None else False
     if due_word is None:
         return None  # the newest due upload failed, or its word did not come: no more uploads to that tier
-    skipped = due is not None and due_word is False and (due[2].skip_word or NOT_DUE) != NOT_DUE  # not "not due"
+    skipped = due is not None and due_word is False and not not_due(due[2])
     if _word(handle, grace) is not False or not (skipped or ckpt.persist_last):
         return None  # in the tier already, failed, no word; or nothing asks for it
     slot = next((s for s in ckpt.ring.slots if s.step == step and s.state is SlotState.COMMITTED), None)
@@ -90,9 +90,11 @@ def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
     return again
 
 
-def _not_due(handle: SaveHandle) -> bool:
-    """A candidate's word said "not due" (only then is ``persisted`` False without a skip)."""
-    return handle.persisted.done() and (handle.skip_word or NOT_DUE) == NOT_DUE
+def not_due(handle: SaveHandle) -> bool:
+    """The save's upload word came and said "not due" (``persisted`` False with no skip)."""
+    f = handle.persisted
+    return (f.done() and not f.cancelled() and f.exception() is None and f.result() is False
+            and (handle.skip_word or NOT_DUE) == NOT_DUE)
 
 
 def _word(handle: SaveHandle, deadline: float) -> bool | None:

@@ -167,9 +167,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
         # Keyed (timeline, step): a step number saved again after a load() is another save,
         # whose word must not be taken for the upload of the one before it.
         self._uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]] = {}
-        self._newest_due: tuple[int, int, SaveHandle] | None = None  # (timeline, step, handle): newest due save
-        # the newest whose upload was due by its word (uploaded, skipped, failed; not "not due"),
-        # and the newest candidates, whose words may come in any order (persistent_interval_s)
+        # the newest saves whose upload was due (every save, with persistent_interval_s: words
+        # that may come in any order say which were), newest last; and the newest whose word
+        # said it was due (uploaded, skipped, failed; not "not due")
         self._newest_due_word: tuple[int, int, SaveHandle] | None = None
         self._candidates: collections.deque[tuple[int, int, SaveHandle]] = collections.deque(maxlen=64)
         self._newest_durable: tuple[int, int, SaveHandle] | None = None  # (timeline, step, handle)

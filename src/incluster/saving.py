@@ -27,9 +27,9 @@ from incluster.errors import (CheckpointError, CommitError, PeerTimeoutError, St
                               WriterProcessDied)
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
-from incluster.persist import NOT_DUE
+from incluster.catch_up import not_due
 from incluster.replication import announce_writer
-from incluster.staging.engine import StageJob, Stager
+from incluster.staging.engine import StageJob, Stager, gpu_devices
 from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
 from incluster.testing import faults
 from incluster.writer.base import Writer
@@ -84,7 +84,6 @@ class SavePipeline:
     _writer: Writer
     _lock: threading.Lock
     _uploads: dict[tuple[int, int], tuple[Slot, SaveHandle]]
-    _newest_due: tuple[int, int, SaveHandle] | None
     _newest_due_word: tuple[int, int, SaveHandle] | None
     _candidates: "collections.deque[tuple[int, int, SaveHandle]]"
     _newest_durable: tuple[int, int, SaveHandle] | None
@@ -160,9 +159,9 @@ class SavePipeline:
         if fut.exception() is None:
             path, persist = fut.result()
             if persist:
-                if self._newest_due is None or (job.timeline, job.step) > self._newest_due[:2]:
-                    self._newest_due = (job.timeline, job.step, handle)
-                    self._candidates.append(self._newest_due)
+                newest = self._newest_due
+                if newest is None or (job.timeline, job.step) > newest[:2]:
+                    self._candidates.append((job.timeline, job.step, handle))
                 handle.persisted.add_done_callback(functools.partial(self._due_word, (job.timeline, job.step), handle))
                 with self._lock:  # pinned and unpinned under this lock: never pinned after its upload ended
                     early = self._early_persisted.pop((job.timeline, job.step), _NO_WORD)
@@ -266,13 +265,18 @@ class SavePipeline:
         if handle is not None:
             self._report_persisted(step, handle, err)
 
+    @property
+    def _newest_due(self) -> tuple[int, int, SaveHandle] | None:
+        """(timeline, step, handle) of the newest save whose upload was due (or, with
+        ``persistent_interval_s``, a candidate): the newest of the candidates kept."""
+        return self._candidates[-1] if self._candidates else None
+
     def _due_word(self, key: tuple[int, int], handle: SaveHandle, fut: "Future[bool]") -> None:
         """A candidate's upload word came: unless it says "not due" (``persistent_interval_s``
         decides only when the upload would start), it is the newest due save so far. close()'s
         catch-up looks there when the newest candidate was not due: a due save skipped for a
         running upload, followed by saves inside the interval, left the tier behind."""
-        if not fut.cancelled() and fut.exception() is None and fut.result() is False \
-                and (handle.skip_word or NOT_DUE) == NOT_DUE:
+        if not_due(handle):
             return
         with self._lock:
             if self._newest_due_word is None or key > self._newest_due_word[:2]:
@@ -457,6 +461,6 @@ class SavePipeline:
             gpu = [t for t in flat.tensors if t.is_cuda]
             if gpu:
                 self._stager.pin_for(gpu[0])
-                self._stager.cuda_devices = tuple(sorted({t.get_device() for t in gpu}))
+                self._stager.cuda_devices = gpu_devices(gpu)
         self._warm(layout)
         self._stager.offer_remote()

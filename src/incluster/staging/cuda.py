@@ -60,6 +60,9 @@ def unregister(slot: Slot) -> None:
     slot.pinned_on = None
 
 
+CAN_TELL = hasattr(torch._C, "_cuda_hasPrimaryContext")  # which GPUs this process uses
+
+
 def active_devices() -> list[int] | None:
     """The GPUs this process has a CUDA context on (every GPU its tensors can be on);
     None where torch cannot tell."""

@@ -79,9 +79,15 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             dst.copy_(src)
 
 
-def gpu_devices(tensors: list[torch.Tensor], kinds: list[str]) -> tuple[int, ...]:
-    """The GPUs the tensors of kind "g" are on."""
-    return tuple(sorted({t.get_device() for t, k in zip(tensors, kinds) if k == "g"}))
+def gpu_devices(tensors: list[torch.Tensor], kinds: list[str] | None = None) -> tuple[int, ...] | None:
+    """The GPUs the tensors of kind "g" (all, without ``kinds``) are on, for
+    ``cuda.record_start`` - only where torch cannot tell it which GPUs are in use (None
+    elsewhere: a pass over every tensor per save, not made for nothing)."""
+    from incluster.staging import cuda
+
+    if cuda.CAN_TELL:
+        return None
+    return tuple(sorted({t.get_device() for t, k in zip(tensors, kinds or ["g"] * len(tensors)) if k == "g"}))
 
 
 def make_views(buf: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
@@ -106,8 +112,8 @@ class Stager:
         self.flattener = FastFlattener(allow_pickle)  # names and specs once per structure
         self.pin = False
         self.cuda_device: int | None = None  # the GPU the saved state is on: slots page-lock there
-        # Every GPU the last save's (or prepare's) state was on: save() marks each one's
-        # compute stream (None: not known yet; cuda.record_start then marks every GPU in use)
+        # Where torch cannot tell which GPUs are in use: those the last save's (or prepare's)
+        # state was on, for save() to mark (None: not needed, or not known yet)
         self.cuda_devices: tuple[int, ...] | None = None
         self.replica_slots = 0  # slots this rank's writer keeps for its partners' replicas
         self._said_size = False  # the RAM this rank's slots take is said once

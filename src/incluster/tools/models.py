@@ -7,6 +7,7 @@ Plain records built by :mod:`incluster.tools.scan` (RAM folders) and
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -76,9 +77,6 @@ class Inventory:
     def rank_folders(dirs: list[str]) -> str:
         """For the message when nothing was found: a DIR that is one rank's folder of a job
         (``<job>/rank-RRRRR``) is not where copies are looked for; name its job folder."""
-        import os
-        import re
-
         hits = [d for d in dirs if re.fullmatch(r"rank-\d{5,}", os.path.basename(os.path.normpath(d)))]
         return "".join(f"; {d} is one rank's folder: name its job folder "
                        f"({os.path.dirname(os.path.normpath(d))}) or the node's RAM folder" for d in hits)
