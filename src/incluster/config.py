@@ -198,7 +198,7 @@ def resolve(
     rd = run_dir if run_dir is not None else env.get("INCLUSTER_RUN_DIR")
     return Config(
         local_dir=os.path.abspath(os.path.expanduser(os.fspath(local_dir or default_local_dir()))),
-        job=job or env.get("INCLUSTER_JOB") or default_job(),
+        job=job if job is not None else (env.get("INCLUSTER_JOB") or default_job()),
         node=node or env.get("INCLUSTER_NODE") or socket.gethostname(),
         keep=keep,
         replicas=replicas,

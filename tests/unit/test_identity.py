@@ -45,6 +45,15 @@ def test_the_default_job_is_never_torchruns_none_and_follows_the_script(monkeypa
     assert incluster.config.resolve(local_dir=str(tmp_path)).job == "run-42"
 
 
+def test_an_empty_job_name_is_refused_not_replaced(local_dir, monkeypatch):
+    # job="" is a setting left blank by mistake: saving under a derived name instead would
+    # hide the mistake until a relaunch that spells the name finds no checkpoints
+    monkeypatch.setenv("INCLUSTER_JOB", "")  # a blank variable is unset
+    with pytest.raises(ValueError, match="job '' must be 1-128 characters"):
+        incluster.Checkpointer(local_dir=local_dir, job="")
+    assert incluster.config.resolve(local_dir=local_dir).job == default_job()
+
+
 def test_non_persistent_buffers_are_not_copied_at_save_time():
     m = torch.nn.Linear(4, 4)
     m.register_buffer("cache", torch.zeros(1000), persistent=False)
