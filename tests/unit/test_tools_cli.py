@@ -265,6 +265,26 @@ def test_real_checkpoint_ls_and_export_both_formats(real: tuple[str, dict[str, t
     assert torch.equal(obj["model/0.weight"], model["0.weight"]) and obj["meta/step"] == 3
 
 
+def test_export_names_pickled_values_and_how_to_read_them(local_dir: str, tmp_path: Any, capsys: Any) -> None:
+    """A pickled object is exported as the uint8 tensor of its bytes, never unpickled: a
+    user who finds a uint8 tensor where a Fraction was must be told which and why."""
+    import fractions
+    import pickle
+
+    import incluster
+
+    with incluster.Checkpointer(local_dir=local_dir, job="pk", node="n0", replicas=0, allow_pickle=True,
+                                writer="thread") as ck:
+        ck.save(1, {"w": torch.ones(3), "extra": {"frac": fractions.Fraction(1, 3)}}).wait(30)
+    for fmt in ("torch", "safetensors"):
+        code, text = inproc(capsys, "export", local_dir, "--step", "1", "--to", fmt, str(tmp_path / f"x.{fmt}"))
+        said = " ".join(text.split())
+        assert code == 0 and "1 value(s) were pickled objects" in said and "extra/frac" in said, said
+        assert "pickle.loads(t.numpy().tobytes())" in said, said
+    t = torch.load(str(tmp_path / "x.torch"), weights_only=True)["extra/frac"]
+    assert t.dtype == torch.uint8 and pickle.loads(t.numpy().tobytes()) == fractions.Fraction(1, 3)
+
+
 def test_export_uses_a_replica_when_the_own_copy_is_corrupt(cluster: dict[str, str], tmp_path: Any,
                                                             capsys: Any) -> None:
     flip_byte(shard_of(cluster["nodeA"], 0))

@@ -11,7 +11,8 @@ the sidecar trees (``model/layers.0.weight``, ``optim/state/0/exp_avg``):
 - DTensor shards: placed into a tensor of ``global_shape`` at ``global_offset``
   (replicated copies are taken once); every element must be covered by some shard;
 - other values (numbers, strings, ...): in ``OUT.json`` for safetensors, in the dict
-  itself for ``torch``. Pickled objects stay ``uint8`` tensors (never unpickled here).
+  itself for ``torch``. Pickled objects stay ``uint8`` tensors (never unpickled here),
+  named in a note.
 
 Refuses, naming what is missing, a step that lacks a good copy of some rank.
 """
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         try:
             state = assemble(readers)
-            diverged = state.diverged
+            diverged, state_pickled = state.diverged, state.pickled
             meta = {"format": "incluster-export", "version": 1, "job": job, "step": args.step, "world_size": w,
                     "sources": {str(r): c.where for r, c in used.items()}}
             if args.to == "dcp":
@@ -255,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
         line(err, "[yellow]warning:[/]", f"{len(diverged)} value(s) differ between ranks; the export holds the "
              f"first rank's of each, not these: {named}{' ...' if len(diverged) > 8 else ''} (tensors over "
              f"{human(COMPARED)} are not compared)")
+    if state_pickled and args.to != "dcp":
+        named = ", ".join(state_pickled[:8]) + (" ..." if len(state_pickled) > 8 else "")
+        line(err, "[yellow]note:[/]", f"{len(state_pickled)} value(s) were pickled objects and are exported as "
+             f"uint8 tensors of their pickled bytes, not unpickled: {named}; if you trust where the checkpoint "
+             f"came from, pickle.loads(t.numpy().tobytes()) gives the object back")
     nbytes = sum(os.path.getsize(f) for f in files)
     for r, c in used.items():
         line(out, f"rank {r}:", f"{c.where} ({c.tier if c.tier == 'persistent' else f'{c.tier} on {c.holder}'})")
