@@ -281,8 +281,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
 
     @property
     def writer_pid(self) -> int | None:
-        """The writer process's pid (None for the thread writer)."""
-        return self._writer.pid
+        """The writer process's pid: None for the thread writer, and while a writer that
+        died is being replaced (its successor's pid follows)."""
+        return None if getattr(self._writer, "dead", None) else self._writer.pid
 
     # -- saving -----------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], *, persist: bool | None = None) -> SaveHandle:

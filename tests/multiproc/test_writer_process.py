@@ -46,7 +46,7 @@ def test_writer_process_commits_and_is_reused(local_dir):
 
 def _wait_for_new_writer(ck, pid, timeout=60):
     deadline = time.monotonic() + timeout
-    while ck.writer_pid == pid:
+    while ck.writer_pid in (pid, None):
         assert time.monotonic() < deadline, "no new writer process was started"
         time.sleep(0.05)
 
@@ -65,6 +65,29 @@ def test_a_killed_writer_is_replaced_and_later_saves_are_durable(local_dir, capl
     target = {"w": torch.zeros(10)}
     with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
         assert ck.load(target) == 2 and torch.equal(target["w"], torch.full((10,), 2.0))
+
+
+def test_writer_pid_never_names_a_dead_writer(local_dir):
+    """A monitor that reads writer_pid between a writer's death and its successor's start
+    must not be handed the dead pid as the live writer's."""
+    import threading
+
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait()
+        pid = ck.writer_pid
+        hold = threading.Event()
+        ck._stage_pool.submit(hold.wait, 60)  # the successor starts on this pool: not yet
+        try:
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while ck._writer.dead is None:
+                assert time.monotonic() < deadline, "the writer's death was not noticed"
+                time.sleep(0.02)
+            assert ck.writer_pid is None
+        finally:
+            hold.set()
+        _wait_for_new_writer(ck, pid)
+        assert _alive(ck.writer_pid)
 
 
 def test_a_save_in_flight_when_the_writer_dies_fails_and_the_next_one_lands(local_dir, monkeypatch):
@@ -114,7 +137,7 @@ def test_a_writer_that_keeps_dying_is_started_again_only_so_often(local_dir):
         time.sleep(0.5)
         with pytest.raises(incluster.WriterProcessDied, match=rf"pid {last}.*SIGKILL.*not started again"):
             ck.save(2, {"w": torch.ones(10)}).wait()
-        assert ck.writer_pid == last
+        assert ck.writer_pid is None  # no live writer, and none is started
         target = {"w": torch.zeros(10)}
         assert ck.load(target) == 1 and torch.equal(target["w"], torch.ones(10))
 
