@@ -12,22 +12,18 @@ than one rank exists (every rank must call them); save() never is.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import os
-import re
 import threading
 import time
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
 import torch
 
 from incluster import config as _config
-from incluster import ramdisk, reserve
-from incluster import wiring
+from incluster import launch, ramdisk, reserve, wiring
 from incluster.claim import Claim, refuse_shared_folder
 from incluster.commit import process_run
 from incluster.errors import CheckpointError, PeerTimeoutError, TierUnavailableError
@@ -50,59 +46,6 @@ from incluster.writer.thread import ThreadWriter
 log = logging.getLogger("incluster")
 
 
-def _rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    try:
-        launched = int(os.environ.get("WORLD_SIZE", "1") or "1")
-    except ValueError:
-        launched = 1
-    if launched > 1:  # every rank would write as rank 0 of 1, into the same folder
-        raise CheckpointError(
-            f"this process is one of {launched} ranks (WORLD_SIZE={launched}, RANK="
-            f"{os.environ.get('RANK', '?')}) but torch.distributed is not initialized; call "
-            f"torch.distributed.init_process_group() before creating the Checkpointer"
-        )
-    return 0, 1
-
-
-_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-
-
-def _close_at_exit(ckpt: "Checkpointer") -> None:
-    """A script that ends without ``close()`` must not lose the save it just made (it did,
-    without a word): at interpreter exit, before the thread pools' own exit hooks shut
-    them down, the Checkpointer drains what is in flight, and says so.
-    Holds the Checkpointer weakly: one that was dropped or closed, or has nothing in
-    flight, is not touched. Only in the process that made it: multiprocessing's forked
-    children (DataLoader workers) run these hooks too when they end."""
-    ref = weakref.ref(ckpt)
-    owner = os.getpid()
-
-    def drain() -> None:
-        if os.getpid() != owner:  # a forked child (a DataLoader worker) ending: not its saves
-            return
-        c = ref()
-        if c is None or c._closed:
-            return
-        with c._lock:
-            pending = [h.step for h in c._pending if not h.durable.done()]
-        if not pending:
-            return  # nothing to lose: the writer process follows its trainer out
-        log.warning("incluster: rank %d exits without Checkpointer.close(); finishing the save(s) of step(s) "
-                    "%s first (call close() at the end of training)", c.rank, pending)
-        try:
-            c.close()
-        except Exception as exc:  # noqa: BLE001 - exiting anyway; say what was lost
-            log.warning("incluster: rank %d: saves in flight at exit did not complete: %s", c.rank, exc)
-
-    register = getattr(threading, "_register_atexit", atexit.register)  # before the pools' own exit hooks
-    try:
-        register(drain)
-    except RuntimeError:  # the interpreter is exiting already
-        atexit.register(drain)
-
-
 class Checkpointer(SavePipeline, LoadPipeline):
     """Asynchronous, rank-local checkpoints in the node's RAM disk.
 
@@ -116,27 +59,11 @@ class Checkpointer(SavePipeline, LoadPipeline):
         _config.check_names(options, "Checkpointer()")
         self.config = _config.resolve(**options)
         self._job_derived = False  # rank 0: no job= or INCLUSTER_JOB, so the name came from the launch
-        self.rank, self.world_size = _rank_world()
+        self.rank, self.world_size = launch.rank_world()
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         if self.rank == 0:
             ramdisk.hint_once(self.config.local_dir)
-            rid = os.environ.get("TORCHELASTIC_RUN_ID")
-            drawn = bool(rid and _UUID.match(rid))  # torchrun --standalone draws a new one per launch
-            self._job_derived = (not options.get("job") and not os.environ.get("INCLUSTER_JOB")
-                                 and (not rid or rid == "none" or drawn))
-            if self._job_derived and drawn:
-                log.warning("incluster: job %r is named from torchrun's run id %s, which `torchrun --standalone` "
-                            "draws anew at every launch: a relaunch will not find these checkpoints. Pass "
-                            "--rdzv-id NAME to torchrun (the same at every launch), or job= / INCLUSTER_JOB",
-                            self.config.job, rid)
-            elif self._job_derived and rid == "none" and self.world_size > 1:
-                log.warning("incluster: torchrun was started without --rdzv-id (its run id is 'none'), so job %r is "
-                            "named from MASTER_PORT, which torchrun picks anew at every launch: a relaunch will not "
-                            "find these checkpoints. Pass --rdzv-id NAME to torchrun (the same at every launch), or "
-                            "job= / INCLUSTER_JOB", self.config.job)
-            elif self._job_derived:
-                log.info("incluster: job %r (derived from the launch; pass job= or set INCLUSTER_JOB to "
-                         "name it, e.g. to resume it from another launch)", self.config.job)
+            self._job_derived = launch.job_derived(options, self.config.job, self.world_size)
         if self.world_size == 1 and isinstance(options.get("replicas"), int) and options["replicas"] > 0:
             log.warning("incluster: replicas=%d asked for, but this job is one process: there is no other node to "
                         "hold a copy, so its checkpoints live in this node's RAM%s", options["replicas"],
@@ -150,7 +77,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 f"{exc.filename or os.path.dirname(self.folder)}); point local_dir (or INCLUSTER_LOCAL_DIR) at a "
                 f"folder this process can write, in the node's RAM disk (e.g. /dev/shm/incluster)"
             ) from exc
-        _refuse_links(os.path.dirname(self.folder), self.folder)
+        launch.refuse_links(os.path.dirname(self.folder), self.folder)
         self._claim = Claim(os.path.dirname(self.folder), self.config.job, self.rank, owner=self)  # one live run per job and rank
         try:
             self._start()
@@ -244,7 +171,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._warned_warm = False
         self.last_restore: RestoreReport | None = None
         self._old_world: int | None = None  # after a resharding restore: the world it came from
-        _close_at_exit(self)
+        launch.close_at_exit(self)
         self.events: ev.EventRecorder | ev.NullRecorder = (
             ev.EventRecorder(self.config.run_dir, self.rank) if self.config.run_dir else ev.NULL_RECORDER
         )
@@ -581,14 +508,3 @@ class Checkpointer(SavePipeline, LoadPipeline):
 def _from_peer(err: BaseException) -> bool:
     """Another rank's failure (tagged by ``SavePipeline._fail``)."""
     return getattr(err, "from_peer", False)
-
-
-def _refuse_links(*folders: str) -> None:
-    """The job's folders are never symbolic links: nothing is read or written elsewhere."""
-    for f in folders:
-        if os.path.islink(f):
-            raise CheckpointError(
-                f"{f} is a symbolic link (to {os.readlink(f)!r}); incluster never follows links in its "
-                f"checkpoint folders - remove the link, or point local_dir at the real folder"
-            )
-
