@@ -17,7 +17,7 @@ that failed, or whose word does not come within half of close()'s wait, adds not
 failing tier gets no more uploads; close() stays within ``slot_timeout_s``). The slot of
 that step stays put (no save runs during close()) and is pinned until the upload ends;
 the writer uploads it from the committed files in job-store keys of its own, never
-removing a manifest of it (``Uploader._open_step``), and ``close()`` waits for it like any
+removing a manifest of it (``TierSteps.open``), and ``close()`` waits for it like any
 upload. Limits: a rank whose word comes later than another's (an upload longer than half
 of ``slot_timeout_s``), or whose close() raises an earlier failure, decides alone; the
 others' catch-up then waits for its shard until close() gives up (bounded, no manifest).

@@ -27,7 +27,8 @@ from typing import Any, Callable
 from incluster.commit import Coordinator, Outcome
 from incluster.errors import CheckpointError
 from incluster.testing import faults
-from incluster.tier_layout import STEP_FOLDER, MANIFEST, SET_ASIDE, manifested_steps, step_dir
+from incluster.tier_layout import MANIFEST, step_dir
+from incluster.tier_steps import TierSteps
 from incluster.tiers.persistent import open_tier
 
 log = logging.getLogger("incluster")
@@ -105,6 +106,7 @@ class Uploader:
         self.decisions = decisions or coord
         self._last_failure = ""  # the last upload failure warned of (steps as N): repeats go to INFO
         self.tier = open_tier(params.url, params.options)
+        self.steps = TierSteps(self.tier, params.job, params.run)  # rank 0 opens steps, applies retention
         self._folder = str(getattr(self.tier, "url", "")) if getattr(self.tier, "posix", False) else None
         # An object store's client retries on its own (botocore and s3fs: about 18 s for a
         # refused endpoint); retrying around it again multiplied that, so a store that was
@@ -127,8 +129,6 @@ class Uploader:
         self._counted = False  # this rank's shard of the upload in flight was counted
         self._timeline = 0  # the load() count of the upload in flight (its keys: Coordinator.at)
         self._done: Callable[[str | None], None] | None = None
-        self._newer_told = False  # rank 0: the steps of a timeline not continued were named
-        self._older_checked = False  # rank 0: the older steps in the tier were found this run's own
         self._completing = False  # this rank's count completed the upload in flight: it writes the manifest
         self.loaded = False  # the save being uploaded came after a load() (CommitRequest.loaded)
         # With interval_s, steps whose due-or-not decision is awaited: each is reported
@@ -448,7 +448,8 @@ class Uploader:
         name = f"rank-{self.p.rank:05d}"
         view = memoryview(buf)[:size] if size else memoryview(b"")
         if self.p.rank == 0:
-            self._retry("opening the step in the persistent tier", lambda: self._open_step(step))
+            self._retry("opening the step in the persistent tier",
+                        lambda: self.steps.open(step, loaded=self.loaded, again=self._timeline >= AGAIN))
             coord.persist_gate(step, "ok", 0)
         else:  # nothing is written before rank 0 found the step free to write
             gate = coord.persist_gate(step, None, self.p.timeout_s)
@@ -472,80 +473,12 @@ class Uploader:
             self._retry("manifest upload", lambda: self.tier.write(f"{d}/{MANIFEST}", memoryview(json.dumps(manifest).encode())))
             coord.persist_outcome(step, "ok", 0)
             try:
-                self._retention(step)
+                self.steps.retention(step, self.p.keep)
             except Exception as exc:  # noqa: BLE001 - the step is manifested: only the clean-up failed
                 log.warning("incluster: persistent retention after step %d failed (%s: %s); older steps stay "
                             "until the next one", step, type(exc).__name__, exc)
         value = coord.persist_outcome(step, None, self.p.timeout_s)
         return None if value == "ok" else value
-
-    def _open_step(self, step: int) -> None:
-        """Rank 0, before any rank writes ``step``: steps only increase within a run, so a
-        manifest of ``step`` or a newer step already in the tier is from another timeline.
-        A run that never called load() would fork that timeline (and a restore would prefer
-        the newer steps to its own): refused. After a load(), a manifest of ``step`` itself
-        goes, so it never vouches for the new shards. Newer steps are kept: the restore may
-        have gone back past them for a passing reason (a read that failed, a tier it could
-        not list); retention never counts them, and deletes them once they are older than
-        the steps it keeps."""
-        names = self.tier.list(self.p.job)
-        steps = {int(m.group(1)) for m in map(STEP_FOLDER.match, names) if m}
-        newer = sorted(s for s in steps if s > step)
-        listing = self.tier.list(step_dir(self.p.job, step)) if step in steps else []
-        here = MANIFEST in listing
-        if self._timeline >= AGAIN:  # close() uploading a step this run committed (catch_up.py): its own step
-            return  # a manifest of it is this run's (never removed: the upload may be cut short by close())
-        if not self.loaded and (newer or here):
-            raise CheckpointError(
-                f"the persistent tier already holds step(s) {newer or [step]} of job {self.p.job!r}, as new as this "
-                f"run's step {step} or newer, and this run did not call load(): it would overwrite or fork that "
-                f"job's timeline. Call load() first to go on from them, or name a new job")
-        if not self.loaded and not self._older_checked:
-            others = self._others_steps(sorted(s for s in steps if s < step))
-            if others:
-                raise CheckpointError(
-                    f"the persistent tier holds step(s) {others} of job {self.p.job!r} from another run, and this run "
-                    f"did not call load(): its uploads would fork that job's timeline, and retention would delete "
-                    f"them. Call load() first to go on from them, or name a new job")
-            self._older_checked = True
-        if newer and not self._newer_told:
-            self._newer_told = True
-            log.warning("incluster: the persistent tier holds step(s) %s of job %r, newer than this run's step %d: "
-                        "from a timeline the run did not continue (its restore went back past them, or could not "
-                        "read them). They are kept until retention reaches them; a restore passes over them once "
-                        "this run's steps are there (each records its timeline)", newer, self.p.job, step)
-        if here:
-            log.info("incluster: the persistent tier's manifest of step %d (another timeline's) is removed before "
-                     "this run's shards of it are written", step)
-            self.tier.delete(f"{step_dir(self.p.job, step)}/{MANIFEST}")
-        if SET_ASIDE in listing:  # another timeline's copy was bad: not a verdict on this run's
-            self.tier.delete(f"{step_dir(self.p.job, step)}/{SET_ASIDE}")
-
-    def _others_steps(self, steps: list[int]) -> list[int]:
-        """Which of ``steps`` (older than the one opened) another run manifested: not this
-        Checkpointer's (its id is in the manifest), also when its writer was started again."""
-        out = []
-        for s in steps:
-            path = f"{step_dir(self.p.job, s)}/{MANIFEST}"
-            if MANIFEST not in self.tier.list(step_dir(self.p.job, s)):
-                continue  # an upload never finished: no step of any run (retention clears it)
-            try:
-                run = json.loads(bytes(self.tier.read(path))).get("run")  # type: ignore[arg-type]
-            except ValueError:
-                run = None  # unreadable: not this run's (it wrote every one of its own whole)
-            if run != self.p.run:
-                out.append(s)
-        return out
-
-    def _retention(self, newest: int) -> None:
-        """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older."""
-        kept = [s for s in manifested_steps(self.tier, self.p.job) if s <= newest][: self.p.keep]
-        if not kept:
-            return
-        for name in self.tier.list(self.p.job):
-            m = STEP_FOLDER.match(name)
-            if m and int(m.group(1)) < min(kept):
-                self.tier.delete(f"{self.p.job}/{name}")
 
     def cancel(self) -> str | None:
         """Shut-down: nothing starts after this. Give up on the upload that still runs,

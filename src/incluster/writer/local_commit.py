@@ -47,7 +47,7 @@ class CommitRequest:
     # trainer's device-side snapshot into the slot before the commit (the writer hashes them)
     drain: tuple[int, int, tuple[tuple[int, int], ...]] | None = None
     # load() ran in this Checkpointer before the save: the run chose where its timeline
-    # goes on (persist.Uploader._open_step refuses an upload over newer steps without it)
+    # goes on (tier_steps.TierSteps.open refuses an upload over newer steps without it)
     loaded: bool = False
     lineage: tuple[int, int, int] = (0, 0, -1)  # the timeline saving it (incluster.recovery.lineage)
     persist: bool | None = None  # save(persist=): True uploads it whatever the schedule, False never; None: the schedule

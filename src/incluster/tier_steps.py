@@ -1,0 +1,91 @@
+"""Rank 0's side of the persistent tier's steps: opening a step before any rank writes
+it (refusing to fork another run's timeline, clearing another timeline's manifest of
+the same step) and retention (the newest ``keep`` manifested steps stay)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from incluster.errors import CheckpointError
+from incluster.tier_layout import MANIFEST, SET_ASIDE, STEP_FOLDER, manifested_steps, step_dir
+
+log = logging.getLogger("incluster")
+
+
+class TierSteps:
+    def __init__(self, tier: Any, job: str, run: str) -> None:
+        self.tier = tier
+        self.job = job
+        self.run = run  # this Checkpointer's run id: the manifests it wrote carry it
+        self._newer_told = False  # the steps of a timeline not continued were named
+        self._older_checked = False  # the older steps in the tier were found this run's own
+
+    def open(self, step: int, *, loaded: bool, again: bool) -> None:
+        """Rank 0, before any rank writes ``step``: steps only increase within a run, so a
+        manifest of ``step`` or a newer step already in the tier is from another timeline.
+        A run that never called load() would fork that timeline (and a restore would prefer
+        the newer steps to its own): refused. After a load(), a manifest of ``step`` itself
+        goes, so it never vouches for the new shards. Newer steps are kept: the restore may
+        have gone back past them for a passing reason (a read that failed, a tier it could
+        not list); retention never counts them, and deletes them once they are older than
+        the steps it keeps."""
+        names = self.tier.list(self.job)
+        steps = {int(m.group(1)) for m in map(STEP_FOLDER.match, names) if m}
+        newer = sorted(s for s in steps if s > step)
+        listing = self.tier.list(step_dir(self.job, step)) if step in steps else []
+        here = MANIFEST in listing
+        if again:  # close() uploading a step this run committed (catch_up.py): its own step
+            return  # a manifest of it is this run's (never removed: the upload may be cut short by close())
+        if not loaded and (newer or here):
+            raise CheckpointError(
+                f"the persistent tier already holds step(s) {newer or [step]} of job {self.job!r}, as new as this "
+                f"run's step {step} or newer, and this run did not call load(): it would overwrite or fork that "
+                f"job's timeline. Call load() first to go on from them, or name a new job")
+        if not loaded and not self._older_checked:
+            others = self._others(sorted(s for s in steps if s < step))
+            if others:
+                raise CheckpointError(
+                    f"the persistent tier holds step(s) {others} of job {self.job!r} from another run, and this run "
+                    f"did not call load(): its uploads would fork that job's timeline, and retention would delete "
+                    f"them. Call load() first to go on from them, or name a new job")
+            self._older_checked = True
+        if newer and not self._newer_told:
+            self._newer_told = True
+            log.warning("incluster: the persistent tier holds step(s) %s of job %r, newer than this run's step %d: "
+                        "from a timeline the run did not continue (its restore went back past them, or could not "
+                        "read them). They are kept until retention reaches them; a restore passes over them once "
+                        "this run's steps are there (each records its timeline)", newer, self.job, step)
+        if here:
+            log.info("incluster: the persistent tier's manifest of step %d (another timeline's) is removed before "
+                     "this run's shards of it are written", step)
+            self.tier.delete(f"{step_dir(self.job, step)}/{MANIFEST}")
+        if SET_ASIDE in listing:  # another timeline's copy was bad: not a verdict on this run's
+            self.tier.delete(f"{step_dir(self.job, step)}/{SET_ASIDE}")
+
+    def _others(self, steps: list[int]) -> list[int]:
+        """Which of ``steps`` (older than the one opened) another run manifested: not this
+        Checkpointer's (its id is in the manifest), also when its writer was started again."""
+        out = []
+        for s in steps:
+            path = f"{step_dir(self.job, s)}/{MANIFEST}"
+            if MANIFEST not in self.tier.list(step_dir(self.job, s)):
+                continue  # an upload never finished: no step of any run (retention clears it)
+            try:
+                run = json.loads(bytes(self.tier.read(path))).get("run")  # type: ignore[arg-type]
+            except ValueError:
+                run = None  # unreadable: not this run's (it wrote every one of its own whole)
+            if run != self.run:
+                out.append(s)
+        return out
+
+    def retention(self, newest: int, keep: int) -> None:
+        """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older."""
+        kept = [s for s in manifested_steps(self.tier, self.job) if s <= newest][: keep]
+        if not kept:
+            return
+        for name in self.tier.list(self.job):
+            m = STEP_FOLDER.match(name)
+            if m and int(m.group(1)) < min(kept):
+                self.tier.delete(f"{self.job}/{name}")
