@@ -169,6 +169,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._api = threading.RLock()
         self._closed = False
         self._warned_warm = False
+        self._shrink_told = False
         self.last_restore: RestoreReport | None = None
         self._old_world: int | None = None  # after a resharding restore: the world it came from
         launch.close_at_exit(self)

@@ -94,6 +94,7 @@ class SavePipeline:
     _writer_params: WriterParams
     _writer_lock: threading.Lock
     _writer_restarts: int
+    _shrink_told: bool  # the ring was made smaller for want of room, and the user told
     _closed: bool
     _stage_pool: Any
 
@@ -427,10 +428,12 @@ class SavePipeline:
         fits = self.ring.leave_out_unallocated()
         if fits is None:
             return False
-        log.warning(
-            "incluster: rank %d: the RAM disk holding %s has no room for %d checkpoint slots of %.1f MiB; keeping "
-            "%d from now on (each save reuses the oldest); lower keep (or replicas), free space there, or point "
-            "local_dir elsewhere", self.rank, self.folder, asked, size / 2**20, fits)
+        told, self._shrink_told = self._shrink_told, True  # once; a slot grown back that found no room: INFO
+        log.log(logging.INFO if told else logging.WARNING,
+                "incluster: rank %d: the RAM disk holding %s has no room for %d checkpoint slots of %.1f MiB; keeping "
+                "%d from now on (each save reuses the oldest; the others come back once there is room); lower keep "
+                "(or replicas), free space there, or point local_dir elsewhere",
+                self.rank, self.folder, asked, size / 2**20, fits)
         return True
 
     def _warm(self, layout: Any) -> None:
@@ -438,6 +441,9 @@ class SavePipeline:
         make every free one ready for ``layout`` (sized, mapped, headed, page-locked when
         saves are on a GPU). Slots holding a committed step are left as they are."""
         try:
+            if self.ring.grow_back(layout.total_size):
+                log.info("incluster: rank %d: the RAM disk has room again for a checkpoint slot; keeping %d of the %d "
+                         "steps asked for", self.rank, self.ring.keep, self.ring.asked)
             while self.ring.acquire_new() is not None:  # keep (+1 with a persistent tier)
                 pass
             for slot in self.ring.free_slots():

@@ -76,3 +76,27 @@ def test_a_ram_disk_with_room_for_fewer_slots_than_keep_keeps_fewer_steps_and_sa
     assert out["slots"] == 2 and out["loaded"] == 6 and out["bitwise"] is True, out
     assert "fewer steps than keep=4 will be kept" in proc.stderr, proc.stderr
     assert proc.stderr.count("keeping 2 from now on") == 2, proc.stderr  # once per Checkpointer (two here)
+
+
+@pytest.mark.multiproc
+def test_the_slots_left_out_for_want_of_room_come_back_once_there_is_room(local_dir, tmp_path):
+    """A RAM disk that was full for a while (another job's files, a burst of replicas)
+    must not cost the rest of the run its older steps: once the room is back, the ring
+    grows to keep=4 again, in the background, and keeps four steps."""
+    if not _can_mount_tmpfs():
+        pytest.skip("this machine does not let a test mount a small tmpfs")
+    result = tmp_path / "result.json"
+    folder = os.path.join(local_dir, "ram")
+    os.makedirs(folder)
+    script = os.path.join(os.path.dirname(__file__), "small_ram_disk_script.py")
+    cmd = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=8m,mode=0700 tmpfs "$1" && exec "$2" "$3" "$1" "$4" regrow',
+           "sh", folder, sys.executable, script, str(result)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(result.read_text())
+    assert out["saves"] == {str(s): "durable" for s in range(1, 11)}, out["saves"]
+    assert out["slots_after"]["4"] == 2, out  # shrunk while the filler held the room
+    assert out["slots"] == 4 and out["held"] == [7, 8, 9, 10], out  # four steps kept again
+    assert out["loaded"] == 10 and out["bitwise"] is True, out
+    assert proc.stderr.count("keeping 2 from now on") == 1, proc.stderr
+    assert "has room again for a checkpoint slot; keeping 4 of the 4" in proc.stderr, proc.stderr

@@ -109,6 +109,7 @@ class SlotRing:
             raise ValueError("keep must be at least 1")
         self.folder = folder
         self.keep = keep
+        self.asked = keep  # keep may shrink for want of room (leave_out_unallocated), and grow back
         tail = os.path.basename(os.path.normpath(folder))
         self.owner = int(tail[5:]) if tail.startswith("rank-") and tail[5:].isdigit() else -1
         self.slots: list[Slot] = []
@@ -344,6 +345,24 @@ class SlotRing:
             self.keep = left
             self._cond.notify_all()
             return left
+
+    def grow_back(self, size: int) -> bool:
+        """After ``leave_out_unallocated``: one slot of ``size`` bytes more, up to the
+        ``keep`` asked for, once the RAM disk has room for it twice over (the other ranks
+        on the node may grow at the same moment, and partners' replicas need room too).
+        True when ``keep`` grew; the next ``acquire_new`` makes the slot, off the training
+        path (a slot that then finds no room is left out again, and no save fails for it)."""
+        with self._cond:
+            if self.keep >= self.asked:
+                return False
+            try:
+                st = os.statvfs(self.folder)
+            except OSError:
+                return False
+            if st.f_bavail * st.f_frsize < 2 * size:
+                return False
+            self.keep += 1
+            return True
 
     def _pick(self) -> Slot | None:
         for s in self.slots:
