@@ -327,6 +327,22 @@ def test_export_refuses_a_missing_dtensor_shard(local_dir: str, tmp_path: Any, c
     assert code == 1 and "model/w: the shards cover 12 of 24 elements" in text, text
 
 
+def test_a_copy_with_an_unreadable_sidecar_is_shown_on_its_node_not_its_folders_name(local_dir: str,
+                                                                                        capsys: Any) -> None:
+    """The RAM folder is usually /dev/shm/incluster: ls named the node "incluster" for a
+    copy whose sidecar cannot be read, beside the real node name of its other copies."""
+    folder = os.path.join(local_dir, "incluster", "j", "rank-00000")
+    for step in (1, 2):
+        write_shard(folder, job="j", step=step, rank=0, world=1, node="host-a",
+                    tensors={"w": torch.ones(4)}, tree={"d": [["w", {"T": "w"}]]})
+    with open(os.path.join(folder, sidecar_file(2)), "w") as f:
+        f.write("{not json")
+    code, text = inproc(capsys, "ls", os.path.join(local_dir, "incluster"))
+    rows = [r.split() for r in text.splitlines()]
+    step2 = [r for r in rows if r[:2] == ["j", "2"]]
+    assert step2 and "host-a" in step2[0] and "incluster" not in step2[0], text
+
+
 def test_truncated_shard_and_bad_sidecar_are_faults(cluster: dict[str, str], capsys: Any) -> None:
     with open(shard_of(cluster["nodeA"], 1), "r+b") as f:
         f.truncate(100)

@@ -32,6 +32,7 @@ class Copy:
     damage: str | None = None  # the shard file is missing or not the size its sidecar says (seen by ls)
     remote: tuple[FsspecTier, str] | None = None  # persistent copies: tier and shard key
     manifest_checksum: Any = None  # persistent copies: what COMMITTED.json records
+    node: str | None = None  # local copies without a usable sidecar: the node its folder's other records name
 
     @property
     def holder(self) -> str:
@@ -39,6 +40,8 @@ class Copy:
         if self.tier == "persistent":
             return "persistent"
         if self.sidecar is None:
+            if self.node:
+                return self.node
             return os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(self.where)))) or "?"
         return str(self.sidecar.extra.get("replica_on") or self.sidecar.node)
 

@@ -13,6 +13,7 @@ crash or a spare slot leave behind are :class:`Note`\\ s (harmless, informationa
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 from typing import Any
@@ -89,10 +90,35 @@ def _find(root: str) -> list[tuple[str, str]]:
 
 def _scan_job(folder: str, inv: Inventory) -> None:
     job = os.path.basename(folder)
+    first = len(inv.copies)
     for name in sorted(os.listdir(folder)):
         m = _RANK_DIR.match(name)
         if m and os.path.isdir(os.path.join(folder, name)):
             _scan_rank(os.path.join(folder, name), job, int(m.group(1)), inv)
+    unread = [c for c in inv.copies[first:] if c.sidecar is None]
+    if unread:
+        node = _node_of(folder, inv.copies[first:])
+        for c in unread:
+            c.node = node
+
+
+def _node_of(folder: str, copies: list[Copy]) -> str | None:
+    """The node whose RAM holds ``folder`` (a job folder), for copies whose own record
+    cannot say: what the folder's readable records name, else the ranks' node records
+    (``<job>/.node-RRRRR``, written by multi-rank runs)."""
+    named = collections.Counter(c.holder for c in copies if c.sidecar is not None)
+    if named:
+        return named.most_common(1)[0][0]
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(".node-"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    lines = f.read().split("\n")
+            except OSError:
+                continue
+            if len(lines) > 1 and lines[1]:
+                return lines[1]
+    return None
 
 
 def _scan_rank(folder: str, job: str, rank: int, inv: Inventory) -> None:
