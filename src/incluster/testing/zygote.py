@@ -1,8 +1,9 @@
 """Start rank processes by forking one that already imported torch (tests only).
 
-``import torch`` costs each fresh interpreter about a second of CPU; a multi-rank test
-starts dozens of them. The zygote is one single-threaded process that imports torch
-once and forks a child per rank on request. Each child is a real process of its own:
+``import torch`` costs each fresh interpreter about two seconds of CPU here, and
+``torch.distributed``, DTensor, FSDP2 and dynamo as much again; a multi-rank test starts
+dozens of them. The zygote is one process that imports them once and forks a child per
+rank on request. Each child is a real process of its own:
 its own environment, working directory, ``argv`` and log file, run as ``python argv``
 would run it (``runpy``), exit code or signal reported as ``subprocess.Popen`` reports
 it, killable by pid. It dies with the zygote, which dies with the process that
@@ -35,6 +36,10 @@ def _pdeathsig():
         pass
 _pdeathsig()
 import torch  # noqa: F401 - the point of the zygote
+# What nearly every rank imports next, at about as much CPU again as torch itself: the
+# process group, DTensor and FSDP2, and dynamo (the first optimizer step imports it).
+# Modules only: nothing here reads a child's environment, starts a thread or touches CUDA.
+import torch.distributed, torch.distributed.tensor, torch.distributed.fsdp, torch._dynamo  # noqa: E401,F401
 out = os.fdopen(os.dup(1), "w", buffering=1)
 def reap():
     while True:
