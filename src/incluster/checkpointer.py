@@ -145,8 +145,19 @@ class Checkpointer(SavePipeline, LoadPipeline):
         # above it); steps this rank's RAM folder already holds count.
         self._highest = self.ring.newest_step()
         self._held_at_start = self._highest  # an earlier run's newest step on this node (-1: none)
+        self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
+        self._inflight: StageJob | None = None
+        self._healing: Future[None] | None = None  # a peer restore's heal, on the staging thread
+        self._pending: list[SaveHandle] = []
+        self._errors: list[tuple[SaveHandle, BaseException]] = []
+        self._lock = threading.Lock()
+        # save() and close() one at a time: a close() on another thread never shuts the
+        # staging pool under a save() that already passed its "closed?" check
+        self._api = threading.RLock()
+        self._closed = False
         self._writer: Writer = (
-            ProcessWriter(params, on_persisted=self._persisted, on_death=self._writer_died)
+            # started, not awaited: its start (a torch import) overlaps load()'s restore
+            ProcessWriter(params, on_persisted=self._persisted, on_death=self._writer_died, wait=False)
             if self.config.writer == "process"
             else ThreadWriter(params, on_persisted=self._persisted)
         )
@@ -156,18 +167,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
             self._stager.remote = RemoteDrain(lambda: self._writer, self._free_slot_files)
             self._stager.remote_timeout_s = self.config.slot_timeout_s
             self._writer.drain_listener = self._stager.remote  # type: ignore[union-attr]
-        self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
-        self._inflight: StageJob | None = None
-        self._healing: Future[None] | None = None  # a peer restore's heal, on the staging thread
-        self._pending: list[SaveHandle] = []
-        self._errors: list[tuple[SaveHandle, BaseException]] = []
         self._guard = StepGuard(self._pre_step_hook)  # every optimizer step in the process
         self._unguarded_warned = False
-        self._lock = threading.Lock()
-        # save() and close() one at a time: a close() on another thread never shuts the
-        # staging pool under a save() that already passed its "closed?" check
-        self._api = threading.RLock()
-        self._closed = False
         self._warned_warm = False
         self._shrink_told = False
         self.last_restore: RestoreReport | None = None

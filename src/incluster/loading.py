@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from incluster import wiring
 from incluster.config import Config
-from incluster.errors import CheckpointError
+from incluster.errors import CheckpointError, WriterProcessDied
 from incluster.goodput import events as ev
 from incluster.recovery.heal import changing_pointers
 from incluster.recovery.meet import ArrivalWatch
@@ -59,6 +59,7 @@ class LoadPipeline:
     wait: Callable[..., None]
     _check_usable: Callable[[], None]
     _live_writer: Callable[[], Any]
+    _writer: Any
     _prepare: Callable[..., None]
 
     def load(self, state: Mapping[str, Any]) -> int | None:
@@ -78,7 +79,21 @@ class LoadPipeline:
         with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
             step = self._load(state)
         self._loaded = True
+        self._writer_up()
         return step
+
+    def _writer_up(self) -> None:
+        """After the restore, which the writer process's start overlapped: that start is
+        over, or load() raises why it failed (a writer that died starting is started
+        again once, as after any death; one that cannot start at all stops the job here,
+        not at its first save)."""
+        wait = getattr(self._writer, "wait_started", None)
+        if wait is None:
+            return
+        try:
+            wait()  # bounded: the start's own handshake timeout ends it
+        except WriterProcessDied:
+            self._live_writer()  # the next one, or the error saying why not
 
     def _load(self, state: Mapping[str, Any]) -> int | None:
         try:

@@ -90,6 +90,42 @@ def test_writer_pid_never_names_a_dead_writer(local_dir):
         assert _alive(ck.writer_pid)
 
 
+def test_the_writer_starts_behind_the_constructor_and_load_waits_for_it(local_dir, monkeypatch):
+    """The writer's start (a fresh interpreter importing torch, a second or more) overlaps
+    the restore instead of coming before it; load() returns with the writer up."""
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="writer-start", action="slow").env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        assert not ck._writer._started.done()  # the constructor did not wait for it
+        assert _alive(ck.writer_pid)
+        assert ck.load({"w": torch.zeros(10)}) is None
+        assert ck._writer._started.done() and ck._writer.dead is None
+        ck.save(1, {"w": torch.ones(10)}).wait(60)
+
+
+def test_a_writer_that_cannot_start_stops_load_with_the_reason(local_dir, monkeypatch):
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="writer-start").env().items())))
+    ck = incluster.Checkpointer(local_dir=local_dir, job="w")
+    try:
+        with pytest.raises(incluster.WriterProcessDied, match="could not start: .*injected fault at writer-start"):
+            ck.load({"w": torch.zeros(10)})
+    finally:
+        ck.close()
+
+
+def test_a_writer_whose_first_start_fails_is_started_again_and_saves_land(local_dir, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="incluster")
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="writer-start", step=0).env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        first = ck._writer
+        assert ck.load({"w": torch.zeros(10)}) is None
+        assert ck._writer is not first and ck._writer.dead is None
+        ck.save(1, {"w": torch.ones(10)}).wait(60)
+    assert any("could not start" in r.getMessage() and "new writer" in r.getMessage() for r in caplog.records)
+    target = {"w": torch.zeros(10)}
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        assert ck.load(target) == 1 and torch.equal(target["w"], torch.ones(10))
+
+
 def test_a_save_in_flight_when_the_writer_dies_fails_and_the_next_one_lands(local_dir, monkeypatch):
     monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="commit", step=2, action="kill").env().items())))
     with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:

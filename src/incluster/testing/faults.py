@@ -14,7 +14,9 @@ after the copies are verified, before a restore moves or loads bytes; ``load`` i
 same), ``allocate`` (creating or growing a slot file, at the ``fallocate`` call),
 ``heal`` (trainer, staging thread, before a peer restore's copy is written to its node),
 ``handoff`` (trainer, staging thread, after the writer has the save, before the trainer
-listens for its outcomes: a ``slow`` fault lets the writer's replies come first).
+listens for its outcomes: a ``slow`` fault lets the writer's replies come first),
+``writer-start`` (writer process, before it answers its trainer's greeting; the step is
+its incarnation: 0 the first writer of a Checkpointer, 1 the one started after it died).
 
 Actions: ``raise`` (an :class:`InjectedFault`), ``enospc`` (an ``OSError`` with
 ``ENOSPC``, as a full RAM disk gives), ``slow`` (sleep ``seconds``, 2 by default, then go on: widens a race, or plays a slow peer), ``kill`` (SIGKILL of the process at that instant),
@@ -34,7 +36,7 @@ from typing import Any
 
 ENV = "INCLUSTER_FAULTS"
 PHASES = ("stage", "commit", "sidecar", "counted", "replicate", "outcome", "upload", "load-transfer", "load", "allocate", "heal",
-          "handoff")
+          "handoff", "writer-start")
 _ALIASES = {"load": "load-transfer"}
 SLOW_S = 2.0
 ACTIONS = ("raise", "enospc", "slow", "kill", "hang")

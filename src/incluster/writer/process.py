@@ -5,7 +5,7 @@ One writer process per trainer rank, started once as a fresh interpreter
 method, but it never re-imports the trainer's ``__main__``, so a training script without
 an ``if __name__ == "__main__"`` guard cannot start a second training run by accident.
 
-Handshake with a timeout; typed messages with a generation id; a receiver thread turns
+Handshake with a timeout (awaited on a thread of its own with ``wait=False``); typed messages with a generation id; a receiver thread turns
 replies into futures. If the writer dies, every pending save fails with
 :class:`WriterProcessDied` carrying its pid and exit code; the Checkpointer then starts a new writer for the
 next save (``Checkpointer._live_writer``).
@@ -45,8 +45,15 @@ def _describe(code: int | None) -> str:
 
 
 class ProcessWriter:
+    """``wait=False`` returns once the process is started and greeted: its answer (after
+    it imported torch and reached the job store, about a second) is awaited on a thread
+    of its own, so the caller's work (a restore) overlaps the start. Messages sent
+    meanwhile queue in order behind the greeting; a start that fails is a writer death
+    (:meth:`wait_started` raises it; pending saves fail with it)."""
+
     def __init__(
-        self, params: WriterParams, on_persisted: Any = None, handshake_timeout_s: float = 120.0, on_death: Any = None
+        self, params: WriterParams, on_persisted: Any = None, handshake_timeout_s: float = 120.0, on_death: Any = None,
+        wait: bool = True,
     ) -> None:
         self.params = params
         self._on_persisted = on_persisted
@@ -80,23 +87,48 @@ class ProcessWriter:
         self._bye = threading.Event()
         self._gone = threading.Event()  # BYE received, or the process found dead
         self.drain_listener: Any = None  # staging.remote_drain.RemoteDrain (gpu_drain="writer")
+        self._started: Future[None] = Future()
         self._send(Message(Kind.HELLO, self.gen, payload=params))
-        if not self.conn.poll(handshake_timeout_s):
-            self.proc.kill()
-            raise WriterProcessDied(
-                f"the writer process (pid {self.pid}) did not answer within {handshake_timeout_s:.0f} s; "
-                f"check that `python -m incluster.writer.worker` can start in this environment"
-            )
+        if wait:
+            self._handshake(handshake_timeout_s)
+        else:
+            threading.Thread(target=self._handshake_behind, args=(handshake_timeout_s,),
+                             name="incluster-writer-hello", daemon=True).start()
+
+    def _handshake(self, timeout: float) -> None:
+        """The writer's answer to HELLO, then the receiver thread; raises why not."""
         try:
-            hello = self.conn.recv()
-        except (EOFError, OSError):
-            code = self.proc.wait(10)
-            raise WriterProcessDied(f"the writer process (pid {self.pid}) {_describe(code)} during start-up") from None
-        if hello.kind is not Kind.HELLO:
-            self.proc.wait(10)
-            raise WriterProcessDied(f"the writer process (pid {self.pid}) could not start: {hello.error}")
+            if not self.conn.poll(timeout):
+                self.proc.kill()
+                raise WriterProcessDied(
+                    f"the writer process (pid {self.pid}) did not answer within {timeout:.0f} s; "
+                    f"check that `python -m incluster.writer.worker` can start in this environment"
+                )
+            try:
+                hello = self.conn.recv()
+            except (EOFError, OSError):
+                code = self.proc.wait(10)
+                raise WriterProcessDied(f"the writer process (pid {self.pid}) {_describe(code)} during start-up") from None
+            if hello.kind is not Kind.HELLO:
+                self.proc.wait(10)
+                raise WriterProcessDied(f"the writer process (pid {self.pid}) could not start: {hello.error}")
+        except BaseException as exc:
+            self._started.set_exception(exc)
+            raise
         self._receiver = threading.Thread(target=self._receive, name="incluster-writer-rx", daemon=True)
         self._receiver.start()
+        self._started.set_result(None)
+
+    def _handshake_behind(self, timeout: float) -> None:
+        try:
+            self._handshake(timeout)
+        except Exception as exc:  # noqa: BLE001 - a death like any other: pending saves fail with it
+            self._on_death(exc if isinstance(exc, WriterProcessDied) else WriterProcessDied(
+                f"the writer process (pid {self.pid}) could not start: {type(exc).__name__}: {exc}"))
+
+    def wait_started(self, timeout: float | None = None) -> None:
+        """Until the writer answered its greeting; raises why it did not start."""
+        self._started.result(timeout)
 
     @property
     def dead(self) -> WriterProcessDied | None:
@@ -220,15 +252,18 @@ class ProcessWriter:
                 else:
                     outcome.set_exception(CommitError(msg.error))
 
-    def _on_death(self) -> None:
-        try:
-            code = self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None
-        err = WriterProcessDied(
-            f"the writer process (pid {self.pid}) {self._hung or _describe(code)}; saves in flight are lost "
-            f"(committed steps are intact)"
-        )
+    def _on_death(self, err: WriterProcessDied | None = None) -> None:
+        if self._dead is not None:
+            return  # told already (the receiver and a failed send can both find it gone)
+        if err is None:
+            try:
+                code = self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            err = WriterProcessDied(
+                f"the writer process (pid {self.pid}) {self._hung or _describe(code)}; saves in flight are lost "
+                f"(committed steps are intact)"
+            )
         with self._lock:
             self._dead = err
             pending, self._pending = self._pending, {}
@@ -242,6 +277,7 @@ class ProcessWriter:
             cb()
 
     def close(self, timeout: float) -> None:
+        self._on_death_cb = None  # closing: its end is no death to recover from
         if self._dead is None and self.proc.poll() is None:
             try:
                 self._send(Message(Kind.SHUTDOWN, self.gen, payload=timeout))

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Callable
 
 from incluster.errors import StoreLostError
+from incluster.testing import faults
 from incluster.writer.protocol import AGAIN, Kind, Message, WriterParams
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def serve(conn: Connection) -> None:
             conn.send(msg)
 
     try:
+        faults.check("writer-start", params.rank, params.incarnation)
         service = CommitService(params)
     except Exception as exc:  # noqa: BLE001 - e.g. the job store is unreachable
         send(Message(Kind.ERROR, gen, error=f"writer could not start: {exc}", error_type=type(exc).__name__))
