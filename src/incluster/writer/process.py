@@ -5,8 +5,8 @@ One writer process per trainer rank, started once as a fresh interpreter
 method, but it never re-imports the trainer's ``__main__``, so a training script without
 an ``if __name__ == "__main__"`` guard cannot start a second training run by accident.
 
-Handshake with a timeout (awaited on a thread of its own with ``wait=False``); typed messages with a generation id; a receiver thread turns
-replies into futures. If the writer dies, every pending save fails with
+Handshake with a timeout (awaited on a thread of its own with ``wait=False``); typed
+messages with a generation id; a receiver thread turns replies into futures. If the writer dies, every pending save fails with
 :class:`WriterProcessDied` carrying its pid and exit code; the Checkpointer then starts a new writer for the
 next save (``Checkpointer._live_writer``).
 """
@@ -254,7 +254,7 @@ class ProcessWriter:
 
     def _on_death(self, err: WriterProcessDied | None = None) -> None:
         if self._dead is not None:
-            return  # told already (the receiver and a failed send can both find it gone)
+            return  # told already (the receiver, a failed send and the start can each find it gone)
         if err is None:
             try:
                 code = self.proc.wait(5)
@@ -265,6 +265,8 @@ class ProcessWriter:
                 f"(committed steps are intact)"
             )
         with self._lock:
+            if self._dead is not None:
+                return
             self._dead = err
             pending, self._pending = self._pending, {}
         self._gone.set()
