@@ -34,6 +34,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _writers_forked_from_a_server() -> Iterator[None]:
+    """Writer processes are forked by one process that imported torch once
+    (``incluster.testing.writer_server``), not started as fresh interpreters: each is
+    still its own process, with its trainer's environment and output, killed by real
+    signals. INCLUSTER_TEST_FRESH_WRITERS=1 starts fresh interpreters instead."""
+    if os.environ.get("INCLUSTER_TEST_FRESH_WRITERS") == "1":
+        yield
+        return
+    from incluster.testing.writer_server import ENV, WriterServer
+
+    server = WriterServer()
+    os.environ[ENV] = server.path
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV, None)
+        server.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _ranks_forked_from_a_zygote() -> Iterator[None]:
     """Multi-rank tests start their ranks by forking one process that imported torch once
     (``incluster.testing.zygote``): each rank is still its own process, killed by real

@@ -65,7 +65,10 @@ class ProcessWriter:
         # cores the trainer is using after every small torch op the writer makes.
         env["OMP_NUM_THREADS"] = "1"
         env["MKL_NUM_THREADS"] = "1"
-        self.proc = subprocess.Popen(
+        from incluster.testing import writer_server
+
+        # A test suite's writer server forks it from a process that imported torch already
+        self.proc: Any = writer_server.start(theirs.fileno(), env) or subprocess.Popen(
             [sys.executable, "-m", "incluster.writer.worker", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
