@@ -79,7 +79,7 @@ def main() -> None:
                 ac.save(step)  # returns in about a millisecond
         if ran:  # (a run restored at the very end of an epoch has nothing left of it)
             accelerator.print(f"epoch {epoch}: step {step}, loss {loss.item():.4f}, samples seen {tokens.seen}")
-    if step % a.save_every:
+    if step % a.save_every and step != start:  # a rerun of a finished job trains (and saves) nothing
         ac.save(step)  # the last steps too: a rerun with more epochs goes on from here
     ac.close()  # drains the saves in flight
     accelerator.end_training()  # destroys the process group (gloo can abort at exit otherwise)
