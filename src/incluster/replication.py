@@ -380,10 +380,16 @@ class Replicator:
 
         where = f"shared replica of rank {owner} step {step} (on rank {self.rank})"
         sc = parse_received_sidecar(raw, where, rank=owner, step=step, job=self.job, size=size)
-        mine = Checksum.from_json(json.loads(own.sidecar)["checksum"], where) if own is not None else None
+        record = json.loads(own.sidecar) if own is not None else {}
+        mine = Checksum.from_json(record["checksum"], where) if own is not None else None
         if sc.checksum != mine:  # the digest of the records matched; the records must too
             raise CheckpointError(f"{where}: its checksums differ from rank {self.rank}'s own shard")
-        extra = {**sc.extra, "replica_on": self.node, "shared_with": self.rank}
+        # My own copy may itself be shared (after a restore moved me onto a node holding my
+        # replica as another rank's bytes): the bytes are in that rank's file, never in a
+        # file of mine that does not exist.
+        holder = (record.get("extra") or {}).get("shared_with")
+        holder = holder if type(holder) is int and holder >= 0 else self.rank
+        extra = {**sc.extra, "replica_on": self.node, "shared_with": holder}
         ring = self._ring(owner)
         write_sidecar(os.path.join(ring.folder, sidecar_file(step)), dataclasses.replace(sc, extra=extra))
 

@@ -72,6 +72,32 @@ def test_identical_shards_share_replicas_and_restore_a_lost_node(local_dir):
     assert [r["source"] for r in again] == ["local"] * 4, [(r["source"], r["notes"]) for r in again]
 
 
+def test_after_a_spare_and_a_swap_every_shared_copy_points_at_bytes_that_exist(local_dir):
+    """A rank that moved onto a node holding its replica as a shared copy has no shard
+    file of its own there; the replicas re-sent to it after the restore pointed at that
+    missing file, and `incluster verify` called the healthy job corrupt."""
+    import subprocess
+    import sys
+
+    out = os.path.join(local_dir, "out")
+    os.makedirs(out)
+    _run(local_dir, out, "save", NODES, replicas=1)
+    shutil.rmtree(os.path.join(local_dir, "n1"))
+    moved = ["n0", "spare", "n3", "n2"]  # a spare for n1; n2 and n3 swap
+    res = _run(local_dir, out, "load", moved, replicas=1)
+    assert [r["loaded"] for r in res] == [2] * 4 and all(r["equal"] for r in res), res
+    folders = [os.path.join(local_dir, n) for n in moved]
+    for node in folders:
+        for path in glob.glob(os.path.join(node, "dpshare", "rank-*", "step-*.json")):
+            sc = read_sidecar(path)
+            holder = sc.extra.get("shared_with")
+            if holder is not None:
+                assert os.path.isfile(os.path.join(node, "dpshare", f"rank-{holder:05d}", sc.shard)), (path, sc.extra)
+    done = subprocess.run([sys.executable, "-m", "incluster", "verify", *folders], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_one_replica_lost_node_and_corrupt_shared_copy_rebuilt_from_another_peer(local_dir):
     """replicas=1: rank 1's only other copy is its sidecar on n2, sharing rank 2's bytes.
     With n1 lost and those bytes corrupt, rank 1's sidecar goes to a node whose own
