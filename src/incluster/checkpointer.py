@@ -34,6 +34,7 @@ from incluster.loading import LoadPipeline
 from incluster.saving import SavePipeline
 from incluster.guard import StepGuard
 from incluster.recovery.restore import RestoreReport
+from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing
 from incluster.state import snapshot
@@ -81,8 +82,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._claim = Claim(os.path.dirname(self.folder), self.config.job, self.rank, owner=self)  # one live run per job and rank
         try:
             self._start()
-        except BaseException:
-            self._abandon()  # nothing half-started outlives a failed __init__: a retry can claim again
+        except BaseException as exc:
+            self._abandon(exc)  # nothing half-started outlives a failed __init__: a retry can claim again
             raise
 
     def _start(self) -> None:
@@ -179,8 +180,17 @@ class Checkpointer(SavePipeline, LoadPipeline):
         )
         self.events.record(ev.START, world_size=self.world_size, node=self.config.node)
 
-    def _abandon(self) -> None:
-        """``__init__`` failed after the claim: stop what it started, release the claim."""
+    def _abandon(self, exc: BaseException) -> None:
+        """``__init__`` failed after the claim: stop what it started, release the claim;
+        with the job store up, tell the replication partners that this rank's writer will
+        not come (theirs stop waiting for it at once, and say why)."""
+        address = getattr(self, "_store_address", None)
+        if address is not None and self.world_size > 1:
+            try:
+                announce_writer(address, self.config.job, self.rank, "gone",
+                                why=f"rank {self.rank}'s Checkpointer() failed: {exc}"[:2000])
+            except Exception:  # noqa: BLE001 - they time out instead
+                pass
         for part, stop in (("_guard", lambda g: g.close()), ("_writer", lambda w: w.close(1.0)),
                            ("_stage_pool", lambda p: p.shutdown(wait=False)), ("ring", lambda r: r.close()),
                            ("events", lambda e: e.close())):

@@ -67,13 +67,17 @@ def writer_key(job: str, rank: int) -> str:
     return f"incluster/{job}/writer/{rank}/incarnation"
 
 
-def announce_writer(addr: StoreAddress, job: str, rank: int, state: str, timeout_s: float = 10.0) -> None:
+def announce_writer(addr: StoreAddress, job: str, rank: int, state: str, timeout_s: float = 10.0,
+                    why: str = "") -> None:
     """The trainer's word on its writer (``"restarting <n>"`` or ``"gone"``), so partners
-    wait for the new one, or stop waiting, instead of failing step after step."""
+    wait for the new one, or stop waiting, instead of failing step after step; ``why``:
+    what a partner's error should say (a Checkpointer that failed to start)."""
     from torch.distributed import TCPStore
 
     client = TCPStore(addr.host, addr.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                       wait_for_workers=False)
+    if why:
+        client.set(writer_key(job, rank) + "/why", why)
     client.set(writer_key(job, rank), state)
 
 
@@ -126,6 +130,7 @@ class Replicator:
             # The job's first writers start together: build every pair now, in ascending
             # (low, high) order on every writer, so the rendezvous never waits in a cycle.
             for peer in partners:
+                self._await_first(peer)
                 self._build(peer, 0)  # no step sync: every first writer starts at the same point
         else:
             # A writer started again after its predecessor died: each partner sees the new
@@ -148,6 +153,22 @@ class Replicator:
             self._client.wait([f"{self._gen_key(peer)}/{text.split()[1]}/up"], self.timeout)
             return self._current_gen(peer, self._client.get(self._gen_key(peer)))
         return int(text)
+
+    def _await_first(self, peer: int) -> None:
+        """Until the partner's first writer has said it is up, re-read every 0.2 s: a
+        partner whose Checkpointer failed to start (a refused folder, say) says it is gone,
+        and this writer stops at once, naming why, instead of waiting out a gloo
+        rendezvous for the whole timeout."""
+        key = self._gen_key(peer)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self._client.check([key]):
+            if time.monotonic() >= deadline:
+                return  # the rendezvous that follows times out and says so
+            time.sleep(MEET_POLL_S)
+        if self._client.get(key).decode() == "gone":
+            why_key = key + "/why"
+            why = self._client.get(why_key).decode() if self._client.check([why_key]) else "its writer is gone"
+            raise RuntimeError(f"partner rank {peer} did not start: {why}")
 
     def _pair_key(self, peer: int, peer_gen: int) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)

@@ -60,3 +60,19 @@ def test_partners_that_repair_at_different_times_pair_again(pair):
     tb.join(60)
     assert all(v == "ok" for v in out.values()) and len(out) == 6, out
     assert a.incarnation == b.incarnation == 1 << 32  # one repair each, no more
+
+
+def test_a_first_writer_stops_at_once_naming_why_when_its_partner_did_not_start(tmp_path, monkeypatch):
+    """Rank 1's Checkpointer() failed (a refused folder) and said so in the job store:
+    rank 0's first writer must stop now, naming that reason, not wait out the pairing's
+    whole timeout and then blame a rendezvous key."""
+    from incluster.replication import announce_writer
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    server, addr = host_store("gone", world_size=2)
+    announce_writer(addr, "gone", 1, "gone", why="rank 1's Checkpointer() failed: refused")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="partner rank 1 did not start: rank 1's Checkpointer.. failed: refused"):
+        Replicator(addr, 0, 2, (1,), (1,), local_dir=str(tmp_path), job="gone", node="n0", keep=2, timeout_s=60.0)
+    assert time.monotonic() - t0 < 30  # far inside the 60 s the pairing would have waited
+    del server
