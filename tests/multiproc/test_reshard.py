@@ -86,7 +86,7 @@ def test_four_ranks_lose_a_node_and_go_on_with_three(local_dir, fsdp4):
     assert [r["position"] for r in res] == [1000, 1001, 1002], res  # each rank's own values: same number
     assert all(r["step4"] == "durable" for r in res)
     assert any("failed verification" in n for r in res for n in r["notes"]), res
-    said = open(os.path.join(local_dir, "rank-0.log")).read()  # old rank 3's own values are gone: say so
+    said = open(os.path.join(local_dir, ".logs", "rank-0.log")).read()  # old rank 3's own values are gone: say so
     assert ("saved by 4 ranks and restored into 3: the own values (plain tensors, RNG, data-loader position) of "
             "old rank(s) 3 are not restored") in said, said[-3000:]
     # once step 4 of the 3-rank world is durable, old rank 3's copies are dropped from n0's RAM

@@ -107,12 +107,20 @@ def launch(
     env: Mapping[str, str] | None = None,
     rank_env: Mapping[int, Mapping[str, str]] | None = None,
 ) -> Job:
-    """Start ``len(nodes) * ranks_per_node`` ranks of ``python argv...``.
+    """Start ``len(nodes) * ranks_per_node`` ranks of ``python argv...``: ``argv`` is the
+    script and its arguments (``["train.py", "--steps", "10"]``), run by this Python.
 
     Rank r runs on node ``nodes[r // ranks_per_node]``, whose RAM folder is
-    ``base_dir/<node>``. ``rank_env`` adds variables for single ranks (e.g. faults).
+    ``base_dir/<node>``; its output goes to ``base_dir/.logs/rank-<r>.log``
+    (:meth:`Job.output`), beside the node folders, not among them. ``rank_env`` adds
+    variables for single ranks (e.g. faults).
     """
+    if argv and os.path.basename(str(argv[0])).startswith("python") and not str(argv[0]).endswith(".py"):
+        raise ValueError(f"launch() runs argv with this Python: pass the script and its arguments, without "
+                         f"{argv[0]!r} first (e.g. launch(['train.py', ...], ...))")
     world = len(nodes) * ranks_per_node
+    logs_dir = os.path.join(base_dir, ".logs")
+    os.makedirs(logs_dir, mode=0o700, exist_ok=True)
     port = free_port()
     procs, logs = [], []
     for rank in range(world):
@@ -132,7 +140,7 @@ def launch(
             INCLUSTER_LOCAL_DIR=folder,
         )
         e.update((rank_env or {}).get(rank, {}))
-        log = os.path.join(base_dir, f"rank-{rank}.log")
+        log = os.path.join(logs_dir, f"rank-{rank}.log")
         if _zygote is not None:
             open(log, "wb").close()  # there even if the rank dies before it opens it
             procs.append(_zygote.spawn(argv, env=e, log=log))
