@@ -101,9 +101,10 @@ class Reshard:
         servers = {self.maps.server_of[p.owner] for p in pieces} | {self.maps.server_of[src.owner]}
         self.report.step, self.report.bytes = self.step, moved
         self.report.source_rank = src.owner
+        held = (f"{len(pieces)} DTensor piece(s) from {len(servers)} rank(s)" if pieces
+                else "no DTensor pieces (the state holds plain tensors only)")
         self.report.notes.append(
-            f"resharded from {self.maps.old_world} ranks: {len(pieces)} pieces from {len(servers)} rank(s), "
-            f"own values of old rank {src.owner}"
+            f"resharded from {self.maps.old_world} ranks: {held}, the plain tensors and values of old rank {src.owner}"
         )
         kept = {source_of(r, self.maps.old_world, self.rule, self.world) for r in range(self.world)}
         dropped = [o for o in range(self.maps.old_world) if o not in kept]
