@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -45,10 +46,11 @@ class Served:
         req = json.dumps({"env": env, "cwd": os.getcwd()}).encode() + b"\n"
         socket.send_fds(self._conn, [req], [fd, 1, 2])
         self._buf = b""
+        self._lock = threading.Lock()  # poll() and wait() come from the trainer's threads
         self.returncode: int | None = None
-        self.pid: int = int(self._line(30.0)["pid"])
+        self.pid: int = int(self._read_line(30.0)["pid"])
 
-    def _line(self, timeout: float | None) -> dict[str, Any]:
+    def _read_line(self, timeout: float | None) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buf:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -62,17 +64,21 @@ class Served:
         return json.loads(line)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
+        if self.returncode is None and self._lock.acquire(blocking=False):  # held: a wait() reads it
             try:
-                self.returncode = int(self._line(0.0)["exit"])
+                if self.returncode is None:
+                    self.returncode = int(self._read_line(0.0)["exit"])
             except subprocess.TimeoutExpired:
-                return None
+                pass
+            finally:
+                self._lock.release()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = int(self._line(timeout)["exit"])
-        return self.returncode
+        with self._lock:
+            if self.returncode is None:
+                self.returncode = int(self._read_line(timeout)["exit"])
+            return self.returncode
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
