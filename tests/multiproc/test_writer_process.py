@@ -247,3 +247,16 @@ def test_a_writer_that_stops_reading_is_killed_after_a_bounded_send(local_dir):
                 pass
         writer.proc.wait(10)
         assert not _alive(pid)
+
+
+def test_without_a_writer_server_the_writer_is_a_fresh_interpreter(local_dir, monkeypatch):
+    """The suite forks writers from its server (incluster.testing.writer_server); a job
+    never has one, and its writer is `python -m incluster.writer.worker`, as here."""
+    from incluster.testing import writer_server
+
+    monkeypatch.delenv(writer_server.ENV, raising=False)
+    with incluster.Checkpointer(local_dir=local_dir, job="fresh") as ck:
+        assert isinstance(ck._writer.proc, subprocess.Popen)
+        ck.save(1, {"w": torch.ones(10)}).wait(60)
+        with open(f"/proc/{ck.writer_pid}/cmdline", "rb") as f:
+            assert b"incluster.writer.worker" in f.read()
