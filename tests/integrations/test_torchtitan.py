@@ -141,6 +141,11 @@ def test_config_override_and_validation() -> None:
         InclusterCheckpointManager.Config(persistent_every=0)
     with pytest.raises(ValueError, match="interval"):
         InclusterCheckpointManager.Config(interval=0)  # torchtitan's own checks still run
+    with pytest.raises(ValueError, match="checkpoint.job must be a string"):
+        InclusterCheckpointManager.Config(job=7)  # a JSON override's number, never a folder name "7" by surprise
+    typo = ['incluster.integrations.torchtitan.use_incluster={"persistant": "/tmp/p"}']
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['persistant'\]: the incluster ones are .*persistent,"):
+        apply_overrides(OverrideConfig(imports=parse_cli_imports(typo)), Root())
 
 
 def test_dataloader_state_needs_no_pickle() -> None:

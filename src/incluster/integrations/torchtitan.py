@@ -31,6 +31,8 @@ How torchtitan's calls map (``Trainer.train`` makes them, in this order):
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import sys
 import time
@@ -94,6 +96,10 @@ class InclusterCheckpointManager(CheckpointManager):
                 raise ValueError(
                     f"checkpoint.persistent_every must be an integer >= 1 (got {self.persistent_every!r})"
                 )
+            for name in ("local_dir", "persistent", "job"):
+                value = getattr(self, name)
+                if value is not None and not isinstance(value, str):
+                    raise ValueError(f"checkpoint.{name} must be a string (got {type(value).__name__} {value!r})")
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self._incluster: Checkpointer | None = None
@@ -185,4 +191,10 @@ def use_incluster(config: CheckpointManager.Config, **options: Any) -> Incluster
     """torchtitan override: replace the checkpoint config by the incluster one, keeping
     every torchtitan option; ``options`` set the incluster ones, e.g.
     ``--override.imports 'incluster.integrations.torchtitan.use_incluster={"replicas": 1}'``."""
+    known = {f.name for f in dataclasses.fields(InclusterCheckpointManager.Config)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        ours = ", ".join(sorted(known - {f.name for f in dataclasses.fields(CheckpointManager.Config)}))
+        raise ValueError(f"use_incluster got unknown option(s) {unknown}: the incluster ones are {ours} (and every "
+                         f"torchtitan checkpoint option)")
     return derive(config, InclusterCheckpointManager.Config, **options)
