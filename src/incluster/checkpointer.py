@@ -184,13 +184,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         """``__init__`` failed after the claim: stop what it started, release the claim;
         with the job store up, tell the replication partners that this rank's writer will
         not come (theirs stop waiting for it at once, and say why)."""
-        address = getattr(self, "_store_address", None)
-        if address is not None and self.world_size > 1:
-            try:
-                announce_writer(address, self.config.job, self.rank, "gone",
-                                why=f"rank {self.rank}'s Checkpointer() failed: {exc}"[:2000])
-            except Exception:  # noqa: BLE001 - they time out instead
-                pass
+        self._closed = True  # first: a death of the writer being stopped starts no successor
         for part, stop in (("_guard", lambda g: g.close()), ("_writer", lambda w: w.close(1.0)),
                            ("_stage_pool", lambda p: p.shutdown(wait=False)), ("ring", lambda r: r.close()),
                            ("events", lambda e: e.close())):
@@ -199,8 +193,16 @@ class Checkpointer(SavePipeline, LoadPipeline):
                     stop(getattr(self, part))
                 except Exception:  # noqa: BLE001 - the original error is the one to see
                     pass
+        # After the writer is stopped (a writer still starting would say "0" over it), and
+        # before the job store goes (rank 0 hosts it).
+        address = getattr(self, "_store_address", None)
+        if address is not None and self.world_size > 1:
+            try:
+                announce_writer(address, self.config.job, self.rank, "gone",
+                                why=f"rank {self.rank}'s Checkpointer() failed: {exc}"[:2000])
+            except Exception:  # noqa: BLE001 - they time out instead
+                pass
         self._store_server = None  # the job store (rank 0) goes with its last reference
-        self._closed = True
         self._claim.release()
 
     @property

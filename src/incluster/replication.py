@@ -130,7 +130,10 @@ class Replicator:
             # The job's first writers start together: build every pair now, in ascending
             # (low, high) order on every writer, so the rendezvous never waits in a cycle.
             for peer in partners:
-                self._await_first(peer)
+                gen = self._await_first(peer)
+                if gen:  # its first writer died starting: paired at the first exchange, as after any restart
+                    self._peer_gen[peer] = gen
+                    continue
                 self._build(peer, 0)  # no step sync: every first writer starts at the same point
         else:
             # A writer started again after its predecessor died: each partner sees the new
@@ -154,21 +157,24 @@ class Replicator:
             return self._current_gen(peer, self._client.get(self._gen_key(peer)))
         return int(text)
 
-    def _await_first(self, peer: int) -> None:
-        """Until the partner's first writer has said it is up, re-read every 0.2 s: a
-        partner whose Checkpointer failed to start (a refused folder, say) says it is gone,
-        and this writer stops at once, naming why, instead of waiting out a gloo
-        rendezvous for the whole timeout."""
+    def _await_first(self, peer: int) -> int | None:
+        """Until the partner's writer has said which incarnation is up, re-read every 0.2 s;
+        returns it (0: its first writer; n: its first died starting and its trainer starts
+        the n-th), None when it said nothing within the timeout. A partner whose
+        Checkpointer failed to start (a refused folder, say) says it is gone, and this
+        writer stops at once, naming why, instead of waiting out a gloo rendezvous."""
         key = self._gen_key(peer)
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not self._client.check([key]):
             if time.monotonic() >= deadline:
-                return  # the rendezvous that follows times out and says so
+                return None  # the rendezvous that follows times out and says so
             time.sleep(MEET_POLL_S)
-        if self._client.get(key).decode() == "gone":
+        text = self._client.get(key).decode()
+        if text == "gone":
             why_key = key + "/why"
             why = self._client.get(why_key).decode() if self._client.check([why_key]) else "its writer is gone"
             raise RuntimeError(f"partner rank {peer} did not start: {why}")
+        return int(text.split()[-1])  # "<n>" or "restarting <n>"
 
     def _pair_key(self, peer: int, peer_gen: int) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)

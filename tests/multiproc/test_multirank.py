@@ -50,6 +50,20 @@ def test_two_ranks_save_and_restore_bitwise_with_writer_processes(local_dir):
     _assert_restored(second, first, 4)
 
 
+def test_a_first_writer_that_dies_starting_is_started_again_and_its_partner_pairs_with_the_new_one(local_dir):
+    """Rank 1's first writer fails to start (the Checkpointer starts it without waiting);
+    its trainer starts another. Rank 0's first writer must pair with that one, not wait
+    out slot_timeout_s for the dead one's rendezvous and fail the first step everywhere."""
+    fault = FaultInjector().fail_at(rank=1, step=0, phase="writer-start").env()  # step: the incarnation
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], rank_env={1: fault})
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    assert "could not start" in job.output(1) and "new writer" in job.output(1), job.output(1)
+    assert first[0]["errors"] == {} and first[1]["errors"] == {}, (first[0]["errors"], first[1]["errors"])
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=6)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _assert_restored(second, first, 4)
+
+
 def test_four_ranks_on_two_nodes_thread_writer(local_dir):
     nodes = ["a", "b"]
     codes, first, job = _run(local_dir, 0, nodes=nodes, rpn=2, env={"WRITER": "thread"})

@@ -91,43 +91,52 @@ class ProcessWriter:
         self._gone = threading.Event()  # BYE received, or the process found dead
         self.drain_listener: Any = None  # staging.remote_drain.RemoteDrain (gpu_drain="writer")
         self._started: Future[None] = Future()
+        self._early_fails: list[tuple[int, str, tuple[int, int, int] | None]] = []  # sent before it answered
         self._send(Message(Kind.HELLO, self.gen, payload=params))
         if wait:
-            self._handshake(handshake_timeout_s)
+            try:
+                self._handshake(handshake_timeout_s)
+            except BaseException as exc:
+                self._started.set_exception(exc)
+                raise
         else:
             threading.Thread(target=self._handshake_behind, args=(handshake_timeout_s,),
                              name="incluster-writer-hello", daemon=True).start()
 
     def _handshake(self, timeout: float) -> None:
         """The writer's answer to HELLO, then the receiver thread; raises why not."""
+        if not self.conn.poll(timeout):
+            self.proc.kill()
+            raise WriterProcessDied(
+                f"the writer process (pid {self.pid}) did not answer within {timeout:.0f} s; "
+                f"check that `python -m incluster.writer.worker` can start in this environment"
+            )
         try:
-            if not self.conn.poll(timeout):
-                self.proc.kill()
-                raise WriterProcessDied(
-                    f"the writer process (pid {self.pid}) did not answer within {timeout:.0f} s; "
-                    f"check that `python -m incluster.writer.worker` can start in this environment"
-                )
-            try:
-                hello = self.conn.recv()
-            except (EOFError, OSError):
-                code = self.proc.wait(10)
-                raise WriterProcessDied(f"the writer process (pid {self.pid}) {_describe(code)} during start-up") from None
-            if hello.kind is not Kind.HELLO:
-                self.proc.wait(10)
-                raise WriterProcessDied(f"the writer process (pid {self.pid}) could not start: {hello.error}")
-        except BaseException as exc:
-            self._started.set_exception(exc)
-            raise
+            hello = self.conn.recv()
+        except (EOFError, OSError):
+            code = self.proc.wait(10)
+            raise WriterProcessDied(f"the writer process (pid {self.pid}) {_describe(code)} during start-up") from None
+        if hello.kind is not Kind.HELLO:
+            self.proc.wait(10)
+            raise WriterProcessDied(f"the writer process (pid {self.pid}) could not start: {hello.error}")
         self._receiver = threading.Thread(target=self._receive, name="incluster-writer-rx", daemon=True)
         self._receiver.start()
+        with self._lock:
+            self._early_fails = []  # the writer takes them, in order, behind the greeting
         self._started.set_result(None)
 
     def _handshake_behind(self, timeout: float) -> None:
         try:
             self._handshake(timeout)
         except Exception as exc:  # noqa: BLE001 - a death like any other: pending saves fail with it
-            self._on_death(exc if isinstance(exc, WriterProcessDied) else WriterProcessDied(
-                f"the writer process (pid {self.pid}) could not start: {type(exc).__name__}: {exc}"))
+            err = exc if isinstance(exc, WriterProcessDied) else WriterProcessDied(
+                f"the writer process (pid {self.pid}) could not start: {type(exc).__name__}: {exc}")
+            self._on_death(err)  # dead before anyone waiting on the start hears of it
+            with self._lock:
+                early, self._early_fails = self._early_fails, []
+            for step, reason, seq in early:  # the writer never read them: tell the other ranks from here
+                self._publish_failed(step, reason, seq)
+            self._started.set_exception(err)
 
     def wait_started(self, timeout: float | None = None) -> None:
         """Until the writer answered its greeting; raises why it did not start."""
@@ -169,11 +178,17 @@ class ProcessWriter:
     def fail(self, step: int, reason: str, seq: tuple[int, int, int] | None = None) -> None:
         if self._dead is None:
             try:
+                with self._lock:
+                    if not self._started.done():  # told again from here should the start fail
+                        self._early_fails.append((step, reason, seq))
                 self._send(Message(Kind.FAIL, self.gen, step=step, error=reason, payload=seq))
                 return
             except OSError:
                 pass
-        # The writer is gone: tell the other ranks from here, so none of them waits.
+        self._publish_failed(step, reason, seq)
+
+    def _publish_failed(self, step: int, reason: str, seq: tuple[int, int, int] | None) -> None:
+        """The writer is gone: tell the other ranks from here, so none of them waits."""
         if self.params.store is not None:
             from incluster.commit import StoreCoordinator
 
