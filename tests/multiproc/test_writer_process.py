@@ -202,15 +202,22 @@ CHILD = textwrap.dedent(
     """
     import sys, time, torch, incluster
     ck = incluster.Checkpointer(local_dir=sys.argv[1], job="orphan")
-    ck.save(1, {"w": torch.ones(4)}).wait()
+    if sys.argv[2] == "save":
+        ck.save(1, {"w": torch.ones(4)}).wait()
     print(ck.writer_pid, flush=True)
     time.sleep(600)
     """
 )
 
 
-def test_writer_exits_when_its_trainer_is_killed(local_dir):
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, local_dir], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("busy", ["save", "hung"])
+def test_writer_exits_when_its_trainer_is_killed(local_dir, tmp_path, busy):
+    """Also a writer that is not reading its socket (hung in its start here): it must not
+    outlive a SIGKILLed trainer, wherever it was started from."""
+    env = dict(os.environ)
+    if busy == "hung":
+        env.update(FaultInjector().fail_at(phase="writer-start", action="hang", marker_dir=str(tmp_path)).env())
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, local_dir, busy], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pid = int(proc.stdout.readline())
         assert _alive(pid)

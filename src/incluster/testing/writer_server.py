@@ -8,9 +8,10 @@ writer per request. A trainer whose environment names the server
 ``python -m incluster.writer.worker``; each writer is still a process of its own, with
 the trainer's environment, working directory, stdout and stderr, and its end of the
 trainer's socket pair. The server tells the asking trainer the writer's pid and, when
-it ends, its exit status (:class:`Served` mirrors ``subprocess.Popen``). A writer ends
-when its trainer's socket closes (as every writer does); its parent-death signal
-follows the server, which ends with the process that started it.
+it ends, its exit status (:class:`Served` mirrors ``subprocess.Popen``). A writer is
+killed when its trainer ends, as the parent-death signal does for a writer the trainer
+started itself (a thread watching the trainer's pidfd), and when the server ends, which
+ends with the process that started it.
 
     server = WriterServer()            # python -m incluster.testing.writer_server PATH
     os.environ[ENV] = server.path      # every Checkpointer started from here on
@@ -27,6 +28,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -40,15 +42,18 @@ ENV = "INCLUSTER_TEST_WRITER_SERVER"
 class Served:
     """A writer forked by the server, as ``subprocess.Popen`` shows a process."""
 
-    def __init__(self, path: str, fd: int, env: dict[str, str]) -> None:
-        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn.connect(path)
+    def __init__(self, conn: socket.socket, fd: int, env: dict[str, str]) -> None:
+        self._conn = conn
         req = json.dumps({"env": env, "cwd": os.getcwd()}).encode() + b"\n"
         socket.send_fds(self._conn, [req], [fd, 1, 2])
         self._buf = b""
         self._lock = threading.Lock()  # poll() and wait() come from the trainer's threads
         self.returncode: int | None = None
-        self.pid: int = int(self._read_line(30.0)["pid"])
+        try:
+            self.pid: int = int(self._read_line(60.0)["pid"])
+        except (subprocess.TimeoutExpired, KeyError, ValueError) as exc:
+            # Never a fresh writer now: the server has this socket pair's end and may still fork one.
+            raise OSError(f"the test writer server took the request but named no writer ({exc!r})") from None
 
     def _read_line(self, timeout: float | None) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -58,10 +63,14 @@ class Served:
                 raise subprocess.TimeoutExpired("writer", timeout or 0)
             chunk = self._conn.recv(4096)
             if not chunk:  # the server is gone: so is every writer it forked
-                return {"exit": -signal.SIGKILL}
+                self._buf += json.dumps({"exit": -signal.SIGKILL}).encode() + b"\n"
+                break
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        msg: dict[str, Any] = json.loads(line)
+        if "exit" in msg:
+            self._conn.close()  # the last word
+        return msg
 
     def poll(self) -> int | None:
         if self.returncode is None and self._lock.acquire(blocking=False):  # held: a wait() reads it
@@ -84,7 +93,7 @@ class Served:
         self.send_signal(signal.SIGKILL)
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # an ended writer's pid may be another process's by now
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -96,10 +105,13 @@ def start(fd: int, env: dict[str, str]) -> Served | None:
     path = os.environ.get(ENV)
     if not path:
         return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        return Served(path, fd, env)
-    except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
+        conn.connect(path)
+    except OSError:
+        conn.close()
         return None  # no server (any more): the usual way
+    return Served(conn, fd, env)  # past here a failure is an error, never a second writer
 
 
 class WriterServer:
@@ -131,7 +143,28 @@ class WriterServer:
             pass
 
 
-def _child(fds: list[int], req: dict[str, Any]) -> None:
+def _die_with(trainer: int) -> None:
+    """The parent-death signal follows the server, not the trainer: this thread gives the
+    writer the same end when its trainer ends (a pidfd where the kernel has them)."""
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(trainer)
+            select.select([fd], [], [])
+        except (OSError, AttributeError):
+            while True:
+                try:
+                    with open(f"/proc/{trainer}/stat") as f:
+                        if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                            break
+                except OSError:
+                    break
+                time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="incluster-trainer-watch", daemon=True).start()
+
+
+def _child(fds: list[int], req: dict[str, Any], trainer: int) -> None:
     sock, out, err = fds
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -145,19 +178,28 @@ def _child(fds: list[int], req: dict[str, Any]) -> None:
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
     sys.argv = ["incluster.writer.worker", str(sock)]
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    _die_with(trainer)
     code = 0
     try:
         from incluster.writer import worker
 
         worker.main()  # ends the process itself when it ends well
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as the interpreter ends on it
+        c = exc.code
+        code = 0 if c is None else c if isinstance(c, int) else (print(c, file=sys.stderr) or 1)
     except BaseException:  # noqa: BLE001 - a crash, as an interpreter would show it
         import traceback
 
         traceback.print_exc()
         code = 1
     finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
         os._exit(code)
 
 
@@ -195,10 +237,18 @@ def _serve(path: str) -> None:
         if listener not in ready:
             continue
         conn, _ = listener.accept()
+        fds: list[int] = []
         try:
             msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
             req = json.loads(msg.split(b"\n", 1)[0])
-        except (OSError, ValueError):
+            trainer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))[0]
+            if len(fds) != 3:
+                raise ValueError(f"{len(fds)} file descriptors")
+        except (OSError, ValueError) as exc:
+            print(f"incluster writer server: a bad request ({exc})", file=sys.stderr)
+            for fd in fds:
+                os.close(fd)
             conn.close()
             continue
         pid = os.fork()
@@ -207,11 +257,14 @@ def _serve(path: str) -> None:
             conn.close()
             for c in writers.values():
                 c.close()
-            _child(list(fds), req)
+            _child(list(fds), req, trainer)
         for fd in fds:
             os.close(fd)
         writers[pid] = conn
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        try:
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:  # the trainer is gone already: its writer follows it (_die_with)
+            pass
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class ProcessWriter:
 
         # A test suite's writer server forks it from a process that imported torch already
         self.proc: Any = writer_server.start(theirs.fileno(), env) or subprocess.Popen(
-            [sys.executable, "-m", "incluster.writer.worker", str(theirs.fileno())],
+            [sys.executable, "-m", "incluster.writer.worker", str(theirs.fileno()), str(os.getpid())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,

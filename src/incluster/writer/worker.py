@@ -33,12 +33,17 @@ if TYPE_CHECKING:
     from incluster.writer.local_commit import CommitRequest
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int | None) -> None:
+    """SIGKILL when the trainer ends. ``parent``: the trainer's pid, which started this
+    process - one that died before the signal was asked for (within the second the
+    torch import takes) is no longer the parent, and the signal never comes."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: pipe EOF still ends us
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def _log_like_the_trainer(level: int) -> None:
@@ -247,7 +252,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # see ProcessWriter: no intra-op pool spinning beside the trainer
-    _die_with_parent()
+    _die_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which drains us
     conn = Connection(int(sys.argv[1]))
     try:
