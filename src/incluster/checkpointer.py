@@ -171,7 +171,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._guard = StepGuard(self._pre_step_hook)  # every optimizer step in the process
         self._unguarded_warned = False
         self._warned_warm = False
-        self._shrink_told = False
+        self._shrunk_to: int | None = None
         self.last_restore: RestoreReport | None = None
         self._old_world: int | None = None  # after a resharding restore: the world it came from
         launch.close_at_exit(self)

@@ -94,7 +94,7 @@ class SavePipeline:
     _writer_params: WriterParams
     _writer_lock: threading.Lock
     _writer_restarts: int
-    _shrink_told: bool  # the ring was made smaller for want of room, and the user told
+    _shrunk_to: int | None  # the fewest slots the ring was cut to for want of room (the user was told)
     _closed: bool
     _stage_pool: Any
 
@@ -428,7 +428,9 @@ class SavePipeline:
         fits = self.ring.leave_out_unallocated()
         if fits is None:
             return False
-        told, self._shrink_told = self._shrink_told, True  # once; a slot grown back that found no room: INFO
+        # Said when the ring is smaller than ever before; a slot grown back that found no room after all: INFO
+        told = self._shrunk_to is not None and fits >= self._shrunk_to
+        self._shrunk_to = fits if self._shrunk_to is None else min(self._shrunk_to, fits)
         log.log(logging.INFO if told else logging.WARNING,
                 "incluster: rank %d: the RAM disk holding %s has no room for %d checkpoint slots of %.1f MiB; keeping "
                 "%d from now on (each save reuses the oldest; the others come back once there is room); lower keep "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -115,7 +116,9 @@ def launch(
     (:meth:`Job.output`), beside the node folders, not among them. ``rank_env`` adds
     variables for single ranks (e.g. faults).
     """
-    if argv and os.path.basename(str(argv[0])).startswith("python") and not str(argv[0]).endswith(".py"):
+    first = str(argv[0]) if argv else ""
+    if first and (os.path.realpath(first) == os.path.realpath(sys.executable)
+                  or re.fullmatch(r"python[0-9.]*", os.path.basename(first))):
         raise ValueError(f"launch() runs argv with this Python: pass the script and its arguments, without "
                          f"{argv[0]!r} first (e.g. launch(['train.py', ...], ...))")
     world = len(nodes) * ranks_per_node

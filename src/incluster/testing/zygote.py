@@ -38,7 +38,8 @@ _pdeathsig()
 import torch  # noqa: F401 - the point of the zygote
 # What nearly every rank imports next, at about as much CPU again as torch itself: the
 # process group, DTensor and FSDP2, and dynamo (the first optimizer step imports it).
-# Modules only: nothing here reads a child's environment, starts a thread or touches CUDA.
+# Modules only: none starts a thread or touches CUDA. Dynamo's and inductor's configs read
+# TORCHDYNAMO_* / TORCHINDUCTOR_* here, at import: a rank's own setting of those is not seen.
 import torch.distributed, torch.distributed.tensor, torch.distributed.fsdp, torch._dynamo  # noqa: E401,F401
 out = os.fdopen(os.dup(1), "w", buffering=1)
 def reap():
