@@ -56,22 +56,27 @@ def test_ram_disk_full(local_dir, tmp_path, mode):
     assert out["reserve_back"] is True
 
 
-@pytest.mark.multiproc
-def test_a_ram_disk_with_room_for_fewer_slots_than_keep_keeps_fewer_steps_and_saves_go_on(local_dir, tmp_path):
-    """keep=4 of a 1 MiB shard on a RAM disk with room for two slots: said up front, then
-    once that two are kept; every save lands (each reuses the older slot). The empty slots
-    that got no room were taken first before, and every save after the second failed."""
+def _small_ram_disk(local_dir: str, tmp_path, size: str, *mode: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """small_ram_disk_script.py on a private tmpfs of ``size``: (the process, its result)."""
     if not _can_mount_tmpfs():
         pytest.skip("this machine does not let a test mount a small tmpfs")
     result = tmp_path / "result.json"
     folder = os.path.join(local_dir, "ram")
     os.makedirs(folder)
     script = os.path.join(os.path.dirname(__file__), "small_ram_disk_script.py")
-    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=3584k,mode=0700 tmpfs "$1" && exec "$2" "$3" "$1" "$4"',
-           "sh", folder, sys.executable, script, str(result)]
+    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size},mode=0700 tmpfs "$1" && exec "$2" "$3" "$1" "$4" ${{5:+"$5"}}',
+           "sh", folder, sys.executable, script, str(result), *mode]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = json.loads(result.read_text())
+    return proc, json.loads(result.read_text())
+
+
+@pytest.mark.multiproc
+def test_a_ram_disk_with_room_for_fewer_slots_than_keep_keeps_fewer_steps_and_saves_go_on(local_dir, tmp_path):
+    """keep=4 of a 1 MiB shard on a RAM disk with room for two slots: said up front, then
+    once that two are kept; every save lands (each reuses the older slot). The empty slots
+    that got no room were taken first before, and every save after the second failed."""
+    proc, out = _small_ram_disk(local_dir, tmp_path, "3584k")
     assert out["saves"] == {str(s): "durable" for s in range(1, 7)}, out["saves"]
     assert out["slots"] == 2 and out["loaded"] == 6 and out["bitwise"] is True, out
     assert "fewer steps than keep=4 will be kept" in proc.stderr, proc.stderr
@@ -83,17 +88,7 @@ def test_the_slots_left_out_for_want_of_room_come_back_once_there_is_room(local_
     """A RAM disk that was full for a while (another job's files, a burst of replicas)
     must not cost the rest of the run its older steps: once the room is back, the ring
     grows to keep=4 again, in the background, and keeps four steps."""
-    if not _can_mount_tmpfs():
-        pytest.skip("this machine does not let a test mount a small tmpfs")
-    result = tmp_path / "result.json"
-    folder = os.path.join(local_dir, "ram")
-    os.makedirs(folder)
-    script = os.path.join(os.path.dirname(__file__), "small_ram_disk_script.py")
-    cmd = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=8m,mode=0700 tmpfs "$1" && exec "$2" "$3" "$1" "$4" regrow',
-           "sh", folder, sys.executable, script, str(result)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = json.loads(result.read_text())
+    proc, out = _small_ram_disk(local_dir, tmp_path, "8m", "regrow")
     assert out["saves"] == {str(s): "durable" for s in range(1, 11)}, out["saves"]
     assert out["slots_after"]["4"] == 2, out  # shrunk while the filler held the room
     assert out["slots"] == 4 and out["held"] == [7, 8, 9, 10], out  # four steps kept again
