@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from incluster.format.checksum import compute
+from incluster.format.dtypes import dtype_name
+from incluster.format.layout import TensorSpec, build_layout
+from incluster.format.sidecar import Sidecar, write_sidecar
+from incluster.staging.engine import make_views
+from incluster.staging.slots import sidecar_file, step_file
 
 
 def tiny_model(seed: int = 0, width: int = 16) -> torch.nn.Module:
@@ -50,8 +58,6 @@ def assert_bitwise(model: torch.nn.Module, optim: torch.optim.Optimizer, ref: di
 
 def flip_byte(path: str, at: int | None = None) -> None:
     """Flip one bit of the byte at offset ``at`` (default: the middle) of a file."""
-    import os
-
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2 if at is None else at)
         b = f.read(1)
@@ -62,7 +68,6 @@ def flip_byte(path: str, at: int | None = None) -> None:
 def shard_bytes(tensors: dict[str, torch.Tensor]) -> tuple[bytes, Any]:
     """A shard file's bytes for ``tensors`` (header and data, as the writer lays them out),
     and their flattened state."""
-    from incluster.format.layout import build_layout
     from incluster.state import flatten
 
     flat = flatten(tensors)
@@ -72,3 +77,20 @@ def shard_bytes(tensors: dict[str, torch.Tensor]) -> tuple[bytes, Any]:
     for e, t in zip(layout.entries, flat.tensors):
         body[e.offset : e.offset + e.nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     return bytes(body), flat
+
+
+def write_shard(folder: str, *, job: str, step: int, rank: int, world: int, node: str,
+                tensors: dict[str, torch.Tensor], tree: Any, extra: dict[str, Any] | None = None) -> None:
+    """One committed shard, written the way writer/local_commit.py writes a slot."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    layout = build_layout([TensorSpec(n, dtype_name(t.dtype, n), tuple(t.shape)) for n, t in tensors.items()])
+    buf = torch.zeros(layout.total_size, dtype=torch.uint8)
+    buf[: len(layout.header)] = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+    for view, t in zip(make_views(buf, layout), tensors.values()):
+        view.copy_(t)
+    data = buf.numpy().tobytes()
+    with open(os.path.join(folder, step_file(step)), "wb") as f:
+        f.write(data)
+    sc = Sidecar(job=job, step=step, rank=rank, world_size=world, node=node, shard=step_file(step),
+                 checksum=compute(data), fingerprint=layout.fingerprint, tree=tree, extra=extra or {})
+    write_sidecar(os.path.join(folder, sidecar_file(step)), sc)

@@ -22,11 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from incluster.format.checksum import compute
-from incluster.format.dtypes import dtype_name
-from incluster.format.layout import TensorSpec, build_layout
+from helpers import write_shard
 from incluster.format.sidecar import Sidecar, record_digest, write_sidecar
-from incluster.staging.engine import make_views
 from incluster.staging.slots import sidecar_file, step_file
 
 CLI = [sys.executable, "-m", "incluster"]
@@ -55,23 +52,6 @@ def _wide(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- fixtures ---------------------------------------------------------------------------
-def write_shard(folder: str, *, job: str, step: int, rank: int, world: int, node: str,
-                tensors: dict[str, torch.Tensor], tree: Any, extra: dict[str, Any] | None = None) -> None:
-    """One committed shard, written the way writer/local_commit.py writes a slot."""
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    layout = build_layout([TensorSpec(n, dtype_name(t.dtype, n), tuple(t.shape)) for n, t in tensors.items()])
-    buf = torch.zeros(layout.total_size, dtype=torch.uint8)
-    buf[: len(layout.header)] = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
-    for view, t in zip(make_views(buf, layout), tensors.values()):
-        view.copy_(t)
-    data = buf.numpy().tobytes()
-    with open(os.path.join(folder, step_file(step)), "wb") as f:
-        f.write(data)
-    sc = Sidecar(job=job, step=step, rank=rank, world_size=world, node=node, shard=step_file(step),
-                 checksum=compute(data), fingerprint=layout.fingerprint, tree=tree, extra=extra or {})
-    write_sidecar(os.path.join(folder, sidecar_file(step)), sc)
-
-
 W = torch.arange(24, dtype=torch.float32).reshape(4, 6)  # Shard(0) over 2 ranks
 E = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # Shard(1), uneven 3 + 2
 B = torch.linspace(0, 1, 6, dtype=torch.float64)  # Replicate

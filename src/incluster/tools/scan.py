@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from incluster.errors import CheckpointError, CorruptCheckpointError
-from incluster.format.sidecar import read_sidecar
+from incluster.format.sidecar import Sidecar, read_sidecar
 from incluster.tier_layout import MANIFEST
 from incluster.staging.slots import STAGING_PREFIX
 from incluster.tiers.local import ShardReader, data_path
@@ -139,6 +139,9 @@ def _scan_rank(folder: str, job: str, rank: int, inv: Inventory) -> None:
                 copy.sidecar = sc
                 copy.tier = "replica" if "replica_on" in sc.extra else "ram"
                 shard = data_path(folder, sc)
+                if (why := _superseded_share(shard, sc)) is not None:
+                    inv.notes.append(Note(full, why))
+                    continue
                 copy.damage = size_damage(shard, os.path.getsize(shard) if os.path.isfile(shard) else None, sc)
             except CorruptCheckpointError as exc:
                 copy.error = str(exc)
@@ -158,6 +161,28 @@ def _scan_rank(folder: str, job: str, rank: int, inv: Inventory) -> None:
             inv.notes.append(Note(full, "half-written sidecar from a crash (harmless, removed on restart)"))
         elif not _SHARD.match(name):
             inv.notes.append(Note(full, "unknown file (not part of any checkpoint)"))
+
+
+def _superseded_share(shard: str, sc: Sidecar) -> str | None:
+    """Why a shared copy (its bytes are a peer's own shard, see :mod:`incluster.replication`)
+    is not a copy any more, or None. Its holder reuses the slot of an old step for a newer
+    save before the step's shared records go (they go once that save is committed on every
+    rank): the holder's record of the step is gone and a newer one is there. A holder whose
+    record is there but whose shard is not is damage, judged as any copy."""
+    peer = sc.extra.get("shared_with")
+    if type(peer) is not int or os.path.isfile(shard):
+        return None
+    holder = os.path.dirname(shard)
+    try:
+        names = os.listdir(holder)
+    except OSError:
+        return None
+    steps = {int(m.group(1)) for n in names if (m := _SIDECAR.match(n))}
+    if sc.step in steps or not any(s > sc.step for s in steps):
+        return None
+    return (f"a shared copy of rank {sc.rank} step {sc.step} whose bytes were rank {peer}'s own shard, which "
+            f"rank {peer} has since reused for a newer save: superseded (this record goes once that save is "
+            f"committed everywhere; not a fault)")
 
 
 def open_copy(copy: Copy) -> Any:
