@@ -18,7 +18,7 @@ import torch
 import incluster
 from incluster.format.layout import TensorSpec, build_layout
 from incluster.staging import cuda
-from incluster.staging.device_snapshot import buffer_views, make_runs
+from incluster.staging.device_snapshot import DeviceSnapshots, buffer_views, make_runs
 from incluster.staging.engine import Stager
 from incluster.writer.protocol import WriterParams
 from incluster.writer.service import CommitService
@@ -129,6 +129,31 @@ def test_snapshot_views_leave_out_empty_gpu_tensors_below_the_buffer():
     w = layout.entries[2]
     assert torch.equal(buf[w.offset - lo : w.offset - lo + w.nbytes].view(torch.float32), views[0])
     assert sorted(inside) == [3] and inside[3].shape == (3,)
+
+
+def test_a_tensor_moved_onto_the_gpu_between_saves_gets_a_place_in_the_snapshot(monkeypatch):
+    """The plans are cached per layout: a tensor of the same name, dtype and shape that was
+    on the CPU at the first save and is on the GPU at the next (an EMA copy moved over) was
+    left out of the cached plan, so no copy wrote it and the slot kept an older step's
+    bytes. The CPU stands in for the device: a buffer of ``need`` bytes, device -1."""
+    snaps = DeviceSnapshots(None)
+
+    def room(dev: int, need: int) -> bool:
+        if snaps.buf is None or snaps.buf.numel() < need:
+            snaps.buf, snaps._plans = torch.zeros(need, dtype=torch.uint8), {}
+        return True
+
+    monkeypatch.setattr(snaps, "_room", room)
+    specs = [TensorSpec("w", "F32", (1 << 18,)), TensorSpec("ema", "F32", (1 << 18,)), TensorSpec("v", "F32", (1 << 18,))]
+    layout = build_layout(specs)
+    tensors = [torch.zeros(1 << 18) for _ in specs]
+    first = snaps.plan(layout, tensors, ["g", "c", "g"])
+    assert first is not None and first.gpu == [0, 2] and snaps.active
+    assert snaps.plan(layout, tensors, ["g", "c", "g"]) is first  # the same kinds: the cached plan
+    moved = snaps.plan(layout, tensors, ["g", "g", "g"])
+    assert moved is not None and moved.gpu == [0, 1, 2] and len(moved.views) == 3
+    assert moved.runs == [(layout.entries[0].offset, layout.entries[2].offset + layout.entries[2].nbytes)]
+    assert snaps.plan(layout, tensors, ["c", "c", "c"]) is None and not snaps.active  # nothing on the GPU now
 
 
 def test_the_writer_maps_a_slot_again_after_the_trainer_resized_it(tmp_path):

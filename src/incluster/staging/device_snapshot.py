@@ -115,20 +115,24 @@ class DeviceSnapshots:
 
     def plan(self, layout: Layout, tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> Plan | None:
         """The plan for this save, with the buffer allocated; None: copy directly."""
+        self.active = False
         devices = {tensors[i].get_device() for i, k in enumerate(kinds) if k == "g"}
         if len(devices) != 1:
             self._say("multi", "incluster: the saved state spans several GPUs; copying device-to-host directly")
             return None
         dev = devices.pop()
-        key = f"{layout.fingerprint}:{dev}"
+        # Which tensors are on the GPU is part of the plan: a tensor of the same name, dtype
+        # and shape moved from the CPU to the GPU (an EMA copy, say) has no place in a plan
+        # made without it, and its bytes in the slot would be a reused slot's old ones.
+        key = f"{layout.fingerprint}:{dev}:{''.join(kinds)}"
         plan = self._plans.get(key)
-        if plan is not None and self.buf is not None and self.buf.device.index == dev:
+        if plan is not None and self.buf is not None and self.buf.get_device() == dev:
+            self.active = True
             return plan
         lo, hi, runs = make_runs(layout, kinds)
         if not runs:  # only empty GPU tensors: nothing to snapshot
             return None
         if not self._room(dev, hi - lo):
-            self.active = False
             return None
         gpu, views, inside = buffer_views(layout, kinds, lo, runs, self.buf)  # type: ignore[arg-type]
         plan = self._plans[key] = Plan(dev, lo, runs, gpu, views, inside, self.filled)
@@ -141,12 +145,12 @@ class DeviceSnapshots:
 
     def _room(self, dev: int, need: int) -> bool:
         """Make the buffer at least ``need`` bytes on ``dev`` if the budget allows."""
-        if self.buf is not None and self.buf.device.index == dev and self.buf.numel() >= need:
+        if self.buf is not None and self.buf.get_device() == dev and self.buf.numel() >= need:
             return True
         if self.setting == 0:
             return False
         free, total = torch.cuda.mem_get_info(dev)
-        have = self.buf.numel() if self.buf is not None and self.buf.device.index == dev else 0
+        have = self.buf.numel() if self.buf is not None and self.buf.get_device() == dev else 0
         if self.setting is None:
             spare = max(2 * GiB, total // 10)
             room = min(free, total - torch.cuda.max_memory_reserved(dev)) + have - spare
