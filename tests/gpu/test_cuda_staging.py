@@ -247,6 +247,32 @@ def test_a_remapped_slot_is_page_locked_again(local_dir, gpu_snapshot):
         assert any(s.maps > 1 for s in ck.ring.slots)
 
 
+@pytest.mark.parametrize("gpu_snapshot", [0, None], ids=["direct", "snapshot-trainer-drains"])
+def test_memory_cuda_refuses_to_page_lock_is_saved_into_unlocked_and_bitwise(local_dir, gpu_snapshot, monkeypatch,
+                                                                             caplog):
+    """A real refusal (an invalid flag: cudaErrorInvalidValue). Saves used to fail; and the
+    refusal's error, left as its thread's last CUDA error, was read by torch after that
+    thread's next kernel launch (the staging thread's copies). Now: said once, saved
+    unlocked, bitwise, and the training thread's kernels are unaffected."""
+    monkeypatch.setattr(cuda_mod, "HOST_REGISTER_PORTABLE", 0x80)
+    monkeypatch.setattr(cuda_mod, "_refused", None)
+    m, o = _model()
+    _step(m, o)
+    state = {"model": m, "optim": o}
+    with caplog.at_level(logging.WARNING, logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, job="unlocked", replicas=0, gpu_snapshot=gpu_snapshot,
+                                    gpu_drain="trainer") as ck:
+            for step in (1, 2, 3):
+                expected = _expected(state)
+                ck.save(step, state).wait()
+                _assert_shard(ck.folder, step, expected)
+                _step(m, o)
+            assert not any(s.pinned for s in ck.ring.slots)
+    torch.cuda.synchronize()
+    said = [r.getMessage() for r in caplog.records if "could not page-lock" in r.getMessage()]
+    assert len(said) == 1, said
+
+
 def test_an_empty_gpu_tensor_before_a_large_cpu_one_is_saved_through_the_snapshot(local_dir):
     """Its file offset lies below the device buffer's first byte (every snapshot save of
     such a state failed on an unaligned view)."""

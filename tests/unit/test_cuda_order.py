@@ -174,3 +174,83 @@ def test_the_writer_maps_a_slot_again_after_the_trainer_resized_it(tmp_path):
         assert again is not first and unmapped == [first]
     finally:
         service.close(5)
+
+
+class FakeCudart:
+    """Records each registration call and the thread it ran on; answers ``code``."""
+
+    def __init__(self, code: int) -> None:
+        self.code, self.calls = code, []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        import threading
+
+        self.calls.append(("register", size, threading.get_ident()))
+        return self.code
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", 0, 0))
+        return 0
+
+    def cudaGetErrorString(self, err):
+        return "out of memory"
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    import contextlib
+    import threading
+
+    def make(code: int) -> FakeCudart:
+        fake = FakeCudart(code)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+        monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+        monkeypatch.setattr(cuda, "_refused", None)
+        return fake
+
+    make.caller = threading.get_ident()
+    return make
+
+
+def _mapped_slot(local_dir, size=1 << 16):
+    from incluster.staging.slots import SlotRing
+
+    ring = SlotRing(os.path.join(local_dir, "j", "rank-00000"), keep=1)
+    slot = ring.acquire(1, timeout=5)
+    ring.prepare(slot, size)
+    return ring, slot
+
+
+def test_memory_that_cannot_be_page_locked_is_used_as_it_is_said_once_never_tried_again(local_dir, cudart, caplog):
+    """A refused cudaHostRegister (a local_dir the driver will not pin, a limit) failed
+    every GPU save; and the refusal's CUDA error, left as the calling thread's last error,
+    would be read by torch after the staging thread's next kernel launch. Now the slot is
+    used unpinned, the user is told once, nothing is retried, and the call ran on a thread
+    of its own."""
+    fake = cudart(2)
+    ring, slot = _mapped_slot(local_dir)
+    try:
+        with caplog.at_level("WARNING", logger="incluster"):
+            cuda.register(slot, 0)
+            cuda.register(slot, 0)
+        assert not slot.pinned
+        assert [c[0] for c in fake.calls] == ["register"]  # tried once in the process
+        assert fake.calls[0][2] != cudart.caller  # not on the calling (staging) thread
+        said = [r.getMessage() for r in caplog.records if "page-lock" in r.getMessage()]
+        assert len(said) == 1 and "out of memory" in said[0] and "/dev/shm" in said[0], said
+        cuda.unregister(slot)  # nothing was registered: nothing to undo
+        assert [c[0] for c in fake.calls] == ["register"]
+    finally:
+        ring.close()
+
+
+def test_page_locked_memory_is_registered_in_the_states_gpu_context_and_undone(local_dir, cudart):
+    fake = cudart(0)
+    ring, slot = _mapped_slot(local_dir)
+    try:
+        cuda.register(slot, 1)
+        assert slot.pinned and slot.pinned_on == 1 and fake.calls[0][1] == 1 << 16
+        cuda.unregister(slot)
+        assert not slot.pinned and [c[0] for c in fake.calls] == ["register", "unregister"]
+    finally:
+        ring.close()

@@ -18,44 +18,105 @@ Only imported when CUDA is available; CPU-only runs never touch this module.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
-from incluster.errors import CheckpointError
 from incluster.staging.slots import Slot
+
+log = logging.getLogger("incluster")
+T = TypeVar("T")
 
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+_pinner: ThreadPoolExecutor | None = None
+_pinner_lock = threading.Lock()
+_refused: str | None = None  # why page-locking failed in this process (it is not tried again)
+
+
+def _on_pinner(fn: Callable[[], T]) -> T:
+    """Run a registration call on a thread of its own. A failed CUDA runtime call leaves
+    its error as the thread's "last error", which torch reads after its next kernel launch
+    on that thread: a refused cudaHostRegister on the staging thread (or an unregister in
+    the user's close()) would surface as an unrelated CUDA error in a later copy. That
+    thread launches no kernels."""
+    global _pinner
+    with _pinner_lock:
+        if _pinner is None:
+            _pinner = ThreadPoolExecutor(1, thread_name_prefix="incluster-pin")
+    return _pinner.submit(fn).result()
+
+
+def _status(err: object) -> tuple[int, str]:
+    """A cudart call's result: (code, its text; "" for success)."""
+    code = int(getattr(err, "value", err))  # type: ignore[call-overload]
+    if code == 0:
+        return 0, ""
+    try:
+        return code, f"CUDA error {code}: {torch.cuda.cudart().cudaGetErrorString(err)}"
+    except Exception:  # noqa: BLE001 - the code says enough
+        return code, f"CUDA error {code}"
+
+
+def host_register(ptr: int, size: int, device: int) -> str | None:
+    """Page-lock ``size`` bytes at ``ptr`` in ``device``'s context (Portable: for every
+    GPU's context, so copies from each GPU of a state spread over several stay
+    asynchronous). None, or why not; after one refusal in this process nothing more is
+    tried (the cause - the folder's file system, a limit - holds for every slot)."""
+    if _refused is not None:
+        return _refused
+
+    def call() -> tuple[int, str]:
+        with torch.cuda.device(device):
+            return _status(torch.cuda.cudart().cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE))
+
+    code, what = _on_pinner(call)
+    return None if code == 0 else _refuse(f"cudaHostRegister of {size} bytes failed with {what}")
+
+
+def _refuse(why: str) -> str:
+    global _refused
+    if _refused is None:
+        _refused = why
+        log.warning(
+            "incluster: could not page-lock checkpoint memory (%s); saves copy from the GPU through "
+            "pageable memory from now on, so each device-to-host copy is synchronous and slower. A RAM disk "
+            "(tmpfs, e.g. /dev/shm) as local_dir and a locked-memory limit above the state's size "
+            "(ulimit -l) let it page-lock", why)
+    return _refused
+
+
+def host_unregister(ptr: int, device: int) -> None:
+    def call() -> tuple[int, str]:
+        with torch.cuda.device(device):
+            return _status(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+    code, what = _on_pinner(call)
+    if code:
+        log.warning("incluster: cudaHostUnregister of checkpoint memory failed with %s", what)
 
 
 def register(slot: Slot, device: int | None = None) -> None:
     """Page-lock the slot mapping so device->host copies into it run asynchronously.
     ``device``: the GPU the saves copy from. A thread's current device is its own (0 on a
     new thread): registering on the staging thread without it would make a CUDA context
-    on GPU 0 for every rank of a multi-GPU node, and lock the pages in that context."""
+    on GPU 0 for every rank of a multi-GPU node, and lock the pages in that context.
+    Memory that cannot be page-locked is used as it is (said once): slower, never wrong."""
     if slot.pinned or slot.buf is None or slot.size == 0:
         return
-    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
-        # Portable: page-locked for every GPU's context, so copies from each GPU of a state
-        # spread over several stay asynchronous, not just those from the registering one.
-        err = torch.cuda.cudart().cudaHostRegister(slot.buf.data_ptr(), slot.size, HOST_REGISTER_PORTABLE)
-    code = int(getattr(err, "value", err))
-    if code != 0:
-        raise CheckpointError(
-            f"cudaHostRegister of a {slot.size}-byte checkpoint slot failed (CUDA error {code}); "
-            f"raise the locked-memory limit (ulimit -l) or use a smaller state per rank"
-        )
-    slot.pinned = True
-    slot.pinned_on = device if device is not None else torch.cuda.current_device()
+    dev = device if device is not None else torch.cuda.current_device()
+    if host_register(slot.buf.data_ptr(), slot.size, dev) is None:
+        slot.pinned = True
+        slot.pinned_on = dev
 
 
 def unregister(slot: Slot) -> None:
     """In the context that registered it, whichever thread unmaps the slot."""
     if slot.pinned and slot.buf is not None:
-        dev = slot.pinned_on if slot.pinned_on is not None else torch.cuda.current_device()
-        with torch.cuda.device(dev):
-            torch.cuda.cudart().cudaHostUnregister(slot.buf.data_ptr())
+        host_unregister(slot.buf.data_ptr(), slot.pinned_on if slot.pinned_on is not None else torch.cuda.current_device())
     slot.pinned = False
     slot.pinned_on = None
 

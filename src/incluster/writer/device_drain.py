@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from incluster.errors import CheckpointError
-from incluster.staging.cuda import HOST_REGISTER_PORTABLE
+from incluster.staging.cuda import host_register, host_unregister
 from incluster.staging.device_snapshot import copy_out
 from incluster.writer.local_commit import CommitRequest
 
@@ -33,8 +33,8 @@ class DeviceDrains:
         self.buf_id: int | None = None
         self.device = 0
         self.stream: Any = None
-        # id(mapping) -> its page-locked uint8 view and the GPU whose context locked it
-        self._pinned: dict[int, tuple[torch.Tensor, int]] = {}
+        # id(mapping) -> its uint8 view and the GPU whose context page-locked it (None: not locked)
+        self._pinned: dict[int, tuple[torch.Tensor, int | None]] = {}
         self._lock = threading.Lock()  # pin (drains, main loop) and unpin (commits, their thread)
         service.on_unmap = self.unpin
 
@@ -58,11 +58,8 @@ class DeviceDrains:
         for index, path, size, gen in slots:  # ahead of time only: a drain pins what is missing
             try:
                 self.pin(self.service.map_slot(str(index), path, size, populate=False, gen=gen))
-            except OSError:
-                pass  # the slot was renamed by a commit meanwhile
-            except CheckpointError as exc:  # page-locking refused (ulimit -l): the trainer drains
-                self.buf, self.buf_id = None, None
-                return str(exc)
+            except (OSError, ValueError):
+                pass  # the slot was renamed or resized by the trainer meanwhile: pinned when drained into
         return None
 
     def start(self, req: CommitRequest, copied: Any = None) -> list[Future[str]]:
@@ -86,16 +83,10 @@ class DeviceDrains:
             if had is not None:
                 return had[0]
             t = torch.frombuffer(mm, dtype=torch.uint8)
-            if t.numel():
-                with torch.cuda.device(self.device):  # the commit thread's current device is 0
-                    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), HOST_REGISTER_PORTABLE)
-                code = int(getattr(err, "value", err))
-                if code != 0:
-                    raise CheckpointError(
-                        f"the writer could not page-lock a {t.numel()}-byte slot (CUDA error {code}); raise the "
-                        f"locked-memory limit (ulimit -l) or use gpu_drain='trainer'"
-                    )
-            self._pinned[id(mm)] = (t, self.device)
+            # In the buffer's GPU's context (the commit thread's current device is 0). Memory
+            # that cannot be page-locked is drained into as it is (said once): slower copies.
+            locked = bool(t.numel()) and host_register(t.data_ptr(), t.numel(), self.device) is None
+            self._pinned[id(mm)] = (t, self.device if locked else None)
             return t
 
     def close(self) -> None:
@@ -118,8 +109,7 @@ class DeviceDrains:
             _unregister(*had)
 
 
-def _unregister(t: torch.Tensor, device: int) -> None:
-    """In the context that page-locked it (the commit thread's current device is 0)."""
-    if t.numel():
-        with torch.cuda.device(device):
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+def _unregister(t: torch.Tensor, device: int | None) -> None:
+    """In the context that page-locked it (None: it was not page-locked)."""
+    if device is not None:
+        host_unregister(t.data_ptr(), device)
