@@ -347,6 +347,21 @@ print("pid", __import__("os").getpid())
 """
 
 
+def test_with_expandable_segments_the_writer_still_drains_the_snapshot(local_dir):
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: such memory is shared through file
+    descriptors the writer takes with pidfd_getfd, which a child may not do to its parent
+    under Yama's ptrace_scope=1 (and most containers): the writer could not open the
+    buffer and the trainer drained every save. The buffer is allocated outside them."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    out = subprocess.run([sys.executable, "-c", _SHARE_AND_EXIT, local_dir], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cannot drain the device-side snapshot" not in out.stderr, out.stderr[-2000:]
+
+
 def test_a_process_that_shared_its_snapshot_exits_clean(local_dir):
     """No warning about shared CUDA memory still held, no driver file left in /dev/shm."""
     import subprocess

@@ -25,11 +25,13 @@ Only imported when a save holds CUDA tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -165,7 +167,7 @@ class DeviceSnapshots:
             return False
         self.buf, self._plans = None, {}
         try:
-            with torch.cuda.device(dev):
+            with torch.cuda.device(dev), _not_expandable():
                 self.buf = torch.zeros(need, dtype=torch.uint8, device=dev)
                 # The fill runs on this thread's current stream, behind any training work
                 # queued there; the snapshot's stream is not ordered after it by itself.
@@ -183,6 +185,27 @@ class DeviceSnapshots:
         if key not in self._said:
             self._said.add(key)
             log.warning("%s", msg)
+
+
+@contextlib.contextmanager
+def _not_expandable() -> Iterator[None]:
+    """The buffer outside expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``):
+    such memory is shared by passing file descriptors that the writer takes with
+    ``pidfd_getfd``, which a child may not do to its parent under Yama's default
+    ``ptrace_scope=1`` and most container profiles, so the writer could never drain. The
+    caching allocator honours the setting switched off for this one allocation (it then
+    picks no block of an expandable segment) and on again after it."""
+    conf = ",".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.13; before it:
+              or getattr(torch.cuda.memory, "_set_allocator_settings", None))
+    if "expandable_segments:true" not in conf.replace(" ", "").lower() or setter is None:
+        yield
+        return
+    setter("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:True")
 
 
 def warm(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any) -> None:
