@@ -101,6 +101,7 @@ class Uploader:
         self.coord = coord
         self._spare = spare  # makes a client of its own for a blocking wait, when first needed
         self._waits: Coordinator | None = None
+        self._upload_waits: Coordinator | None = None
         # Time-based decisions block on their own store client: a store client serves one
         # blocking wait at a time, and an upload's count must never queue behind one.
         self.decisions = decisions or coord
@@ -270,6 +271,17 @@ class Uploader:
             self._waits = self._spare()
         return self._waits
 
+    def _waits_of_uploads(self) -> Coordinator:
+        """The client an upload waits on (rank 0's gate, the step's outcome: up to
+        ``timeout_s`` each), never ``coord``: a store client serves one call at a time,
+        and the commit thread publishes a skipped or failed step on ``coord`` - behind a
+        wait there, that commit (and, once the ring filled, save()) waited for the upload."""
+        if self.p.world_size <= 1 or self._spare is None:
+            return self.coord  # one rank: nothing waits
+        if self._upload_waits is None:
+            self._upload_waits = self._spare()
+        return self._upload_waits
+
     def _report(self, done: Callable[[str | None], None] | None, why: str | None) -> None:
         """Tell a step's outcome (``done`` None: told already), then count it as no longer active."""
         try:
@@ -392,7 +404,8 @@ class Uploader:
         def run() -> None:
             err = None
             try:
-                err = self._upload(step, sidecar, buf, size, self.coord.at(timeline))
+                err = self._upload(step, sidecar, buf, size, self.coord.at(timeline),
+                                   self._waits_of_uploads().at(timeline))
             except BaseException as exc:  # noqa: BLE001 - reported, never raised into training
                 err = f"{type(exc).__name__}: {exc}"
                 del exc  # its frames hold views of the slot's mapping
@@ -443,7 +456,9 @@ class Uploader:
                 delay *= 2
         return None
 
-    def _upload(self, step: int, sidecar: bytes, buf: Any, size: int, coord: Coordinator) -> str | None:
+    def _upload(self, step: int, sidecar: bytes, buf: Any, size: int, coord: Coordinator, waits: Coordinator
+                ) -> str | None:
+        """``coord`` counts and publishes; ``waits`` waits (see :meth:`_waits_of_uploads`)."""
         d = step_dir(self.p.job, step)
         name = f"rank-{self.p.rank:05d}"
         view = memoryview(buf)[:size] if size else memoryview(b"")
@@ -452,7 +467,7 @@ class Uploader:
                         lambda: self.steps.open(step, loaded=self.loaded, again=self._timeline >= AGAIN))
             coord.persist_gate(step, "ok", 0)
         else:  # nothing is written before rank 0 found the step free to write
-            gate = coord.persist_gate(step, None, self.p.timeout_s)
+            gate = waits.persist_gate(step, None, self.p.timeout_s)
             if gate != "ok":
                 return gate
         self._retry("shard upload", lambda: self.tier.write(f"{d}/{name}.safetensors", view))
@@ -477,7 +492,7 @@ class Uploader:
             except Exception as exc:  # noqa: BLE001 - the step is manifested: only the clean-up failed
                 log.warning("incluster: persistent retention after step %d failed (%s: %s); older steps stay "
                             "until the next one", step, type(exc).__name__, exc)
-        value = coord.persist_outcome(step, None, self.p.timeout_s)
+        value = waits.persist_outcome(step, None, self.p.timeout_s)
         return None if value == "ok" else value
 
     def cancel(self) -> str | None:
