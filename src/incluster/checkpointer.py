@@ -444,6 +444,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
     def _close(self) -> None:
         if self._closed:
             return
+        t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.slot_timeout_s  # close()'s wait for uploads, all of it
         try:
             self.wait()
@@ -475,7 +476,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 self._stager.release_device()  # the device-side snapshot's GPU memory goes back
             wiring.release_store(self._store_server, self._store_address, self.config, self.rank, self.world_size)
             self._store_server = None
-            self.events.record(ev.END)
+            self.events.record(ev.END, seconds=time.perf_counter() - t0)  # saves and uploads drained: not training
             self.events.close()
             self._claim.release()
 

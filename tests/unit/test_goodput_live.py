@@ -80,3 +80,45 @@ def test_work_since_the_last_save_that_a_sigkill_lost_is_lost_progress_without_r
     assert rep.attempts == 2
     lost = rep.to_dict()["badput_s"]["lost_progress"]
     assert 0.6 <= lost <= 1.4, rep.to_dict()["badput_s"]
+
+
+@pytest.mark.timeout(120)
+def test_waits_inside_load_and_close_are_checkpoint_time_not_goodput(local_dir, tmp_path: Path, monkeypatch) -> None:
+    """load() waits for its writer process's start (here held 2 s) after the restore, and
+    close() for an upload (a tier answering each call 0.6 s late): both were counted as
+    training, since the ``load`` event was written before the wait and close() wrote
+    nothing of its own."""
+    import time
+
+    import torch
+
+    import incluster
+    from incluster.testing import SlowTier
+    from incluster.testing.faults import FaultInjector
+    from incluster.tiers.persistent import FsspecTier
+
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="writer-start", action="slow", seconds=2).env().items())))
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "opt": opt}
+    tier = SlowTier(FsspecTier(str(tmp_path / "tier")), latency_s=0.6)
+    ck = incluster.Checkpointer(local_dir=local_dir, job="g", run_dir=str(tmp_path / "run"), persistent=tier,
+                                persistent_every=1000)
+    t0 = time.monotonic()
+    assert ck.load(state) is None
+    t1 = time.monotonic()
+    for step in range(10):
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ck.record_step(step)
+        time.sleep(0.05)
+    ck.save(10, state, persist=True).wait()
+    t2 = time.monotonic()
+    ck.close()  # waits for the upload: several tier calls
+    t3 = time.monotonic()
+    assert t1 - t0 >= 2 and t3 - t2 >= 1.2, (t1 - t0, t3 - t2)
+    acc = build_report(tmp_path / "run").per_rank[0]
+    assert acc["checkpoint_load"] >= 0.9 * (t1 - t0), acc
+    assert acc["checkpoint_save"] >= 0.9 * (t3 - t2), acc
+    assert acc["goodput"] <= (t2 - t1) + 0.3, (acc, t2 - t1)

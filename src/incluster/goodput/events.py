@@ -61,7 +61,8 @@ SAVE_FAILED = "save_failed"
 PERSIST_FAILED = "persist_failed"
 #: ``load()`` finished. Fields: ``step`` (restored step, or null when nothing was found
 #: and training starts from scratch), ``source`` (where the bytes came from, e.g. "local",
-#: "replica", "persistent", "none"), ``bytes``, ``seconds`` (how long load() took).
+#: "replica", "persistent", "none"), ``bytes``, ``seconds`` (how long load() took, the
+#: writer process's start included), ``restore_s`` (of that, the restore itself).
 LOAD = "load"
 #: Training finished a step: its optimizer update is applied. Fields: ``step``. Optional;
 #: with it, lost progress is measured to the step instead of to the last save.
@@ -70,7 +71,8 @@ TRAIN_STEP = "train_step"
 #: when the latest optimizer step began (written by the recorder at most every
 #: ``flush_interval_s``). No fields.
 ALIVE = "alive"
-#: The run finished cleanly (``Checkpointer.close()`` after the last step). No fields.
+#: The run finished cleanly (``Checkpointer.close()`` after the last step). Fields:
+#: ``seconds`` (how long close() took: draining saves and uploads in flight).
 END = "end"
 
 KINDS = (START, SAVE, STAGED, STAGE_WAIT, DURABLE, SAVE_FAILED, PERSIST_FAILED, LOAD, TRAIN_STEP, ALIVE, END)

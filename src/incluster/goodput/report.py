@@ -139,6 +139,7 @@ def account_rank(
         acc["checkpoint_save"] += sum(_num(e, "blocked_s") for e in a.of(ev.SAVE))
         acc["checkpoint_save"] += sum(_num(e, "seconds") for e in a.of(ev.STAGE_WAIT))
         acc["checkpoint_load"] += sum(_num(e, "seconds") for e in a.of(ev.LOAD))
+        acc["checkpoint_save"] += sum(_num(e, "seconds") for e in a.of(ev.END))  # close() draining
     for j, a in enumerate(attempts):
         marks = _marks(a)
         progress_t = min((t for _, t in marks), default=a.last_t)
