@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -29,3 +30,42 @@ def test_a_writer_that_stops_answering_is_a_timeout_and_close_returns(local_dir,
     with incluster.Checkpointer(local_dir=local_dir, job="hang", writer="thread") as again:
         assert again.load(target) == 1  # the step before the silent writer is intact
     assert torch.equal(target["w"], torch.ones(1000))
+
+
+@pytest.mark.multiproc
+def test_a_stopped_writer_is_killed_and_replaced_within_seconds(local_dir, monkeypatch):
+    """A writer that answers nothing (SIGSTOP here) was never found out: only a send it did
+    not read for 3 x slot_timeout_s killed it, saves' small requests never filled the
+    socket, so every save waited slot_timeout_s for it, for good. Its heartbeat's silence
+    now has it killed and replaced."""
+    import signal
+    import time
+
+    from incluster.writer import protocol
+
+    monkeypatch.setattr(protocol, "STALL_S", 3.0)
+    ck = incluster.Checkpointer(local_dir=local_dir, job="stopped", slot_timeout_s=120)
+    state = {"w": torch.ones(1000)}
+    try:
+        ck.save(1, state).wait(60)
+        pid = ck.writer_pid
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(incluster.WriterProcessDied, match="not even its heartbeat"):
+                ck.save(2, state).wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # never left stopped, whatever happened
+        assert time.monotonic() - t0 < 20
+        deadline = time.monotonic() + 60
+        while ck.writer_pid in (pid, None):
+            assert time.monotonic() < deadline, "no new writer process was started"
+            time.sleep(0.05)
+        state["w"] += 1
+        ck.save(3, state).wait(60)  # the next save lands, on the new writer
+    finally:
+        ck.close()
+    target = {"w": torch.zeros(1000)}
+    with incluster.Checkpointer(local_dir=local_dir, job="stopped", writer="thread") as again:
+        assert again.load(target) == 3 and torch.equal(target["w"], torch.full((1000,), 2.0))

@@ -14,12 +14,14 @@ next save (``Checkpointer._live_writer``).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
@@ -28,9 +30,11 @@ from typing import Any
 from incluster.errors import CommitError, PeerTimeoutError, StoreLostError, WriterProcessDied
 from incluster.staging.slots import Slot
 from incluster.writer.local_commit import CommitRequest
+from incluster.writer import protocol
 from incluster.writer.protocol import Kind, Message, WriterParams
 
 _gens = itertools.count(1)
+log = logging.getLogger("incluster")
 
 
 def _describe(code: int | None) -> str:
@@ -119,8 +123,10 @@ class ProcessWriter:
         if hello.kind is not Kind.HELLO:
             self.proc.wait(10)
             raise WriterProcessDied(f"the writer process (pid {self.pid}) could not start: {hello.error}")
+        self._heard = time.monotonic()
         self._receiver = threading.Thread(target=self._receive, name="incluster-writer-rx", daemon=True)
         self._receiver.start()
+        threading.Thread(target=self._watch, name="incluster-writer-watch", daemon=True).start()
         with self._lock:
             self._early_fails = []  # the writer takes them, in order, behind the greeting
         self._started.set_result(None)
@@ -220,6 +226,26 @@ class ProcessWriter:
         except OSError:
             pass  # a dead writer is reported by the next save
 
+    def _watch(self) -> None:
+        """A writer that sends nothing, not even its heartbeat, for ``STALL_S`` is stopped
+        (SIGSTOP, a debugger, a frozen cgroup) or hung with its interpreter blocked: it is
+        killed, so the restart path takes over at once. Before, only a send that the
+        writer did not read for ``3 x slot_timeout_s`` found it, and saves' small requests
+        never filled the socket: every save waited out ``slot_timeout_s`` for good."""
+        tick = time.monotonic()
+        while not self._gone.wait(protocol.HEARTBEAT_S):
+            now = time.monotonic()
+            if now - tick > 5 * protocol.HEARTBEAT_S:  # this process was stopped itself: not the writer's silence
+                self._heard = now
+            tick = now
+            quiet = now - self._heard
+            if quiet > protocol.STALL_S and self.proc.poll() is None:
+                self._hung = f"sent nothing, not even its heartbeat, for {quiet:.0f} s (stopped, or hung) and was killed"
+                log.warning("incluster: rank %d: the writer process (pid %s) %s; a new one takes over",
+                            self.params.rank, self.pid, self._hung)
+                self.proc.kill()
+                return
+
     def _receive(self) -> None:
         while True:
             try:
@@ -228,8 +254,9 @@ class ProcessWriter:
                 if not self._bye.is_set():
                     self._on_death()
                 return
-            if msg.gen != self.gen:
-                continue  # a stale reply: never applied to this writer's saves
+            self._heard = time.monotonic()
+            if msg.gen != self.gen or msg.kind is Kind.ALIVE:
+                continue  # a stale reply (never applied to this writer's saves), or a heartbeat
             if msg.kind is Kind.BYE:
                 self._bye.set()
                 self._gone.set()

@@ -14,6 +14,10 @@ from incluster.commit import StoreAddress
 from incluster.persist import AGAIN, PersistParams  # noqa: F401 - AGAIN: the writers' name for it
 
 
+HEARTBEAT_S = 1.0  # how often a writer process says it is alive
+STALL_S = 30.0  # a writer that sends nothing at all for this long is stopped or hung: killed, replaced
+
+
 class Kind(enum.Enum):
     HELLO = "hello"  # trainer -> writer: WriterParams; writer -> trainer: its pid
     COMMIT = "commit"  # trainer -> writer: a CommitRequest
@@ -29,6 +33,7 @@ class Kind(enum.Enum):
     DEVICE_READY = "device_ready"  # writer -> trainer: the buffer is open (payload: id; error: why not)
     DRAINED = "drained"  # writer -> trainer: done reading the device-side snapshot for this step
     PERSIST_AGAIN = "persist_again"  # trainer -> writer: upload a committed step now (payload: (folder, timeline))
+    ALIVE = "alive"  # writer -> trainer: its heartbeat, every HEARTBEAT_S from a thread of its own
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 from incluster.errors import StoreLostError
 from incluster.testing import faults
-from incluster.writer.protocol import AGAIN, Kind, Message, WriterParams
+from incluster.writer.protocol import AGAIN, HEARTBEAT_S, Kind, Message, WriterParams
 
 if TYPE_CHECKING:
     from incluster.writer.local_commit import CommitRequest
@@ -82,6 +82,16 @@ def serve(conn: Connection) -> None:
         send(Message(Kind.ERROR, gen, error=f"writer could not start: {exc}", error_type=type(exc).__name__))
         return
     send(Message(Kind.HELLO, gen, payload=os.getpid()))
+
+    def beat() -> None:  # its silence is how the trainer tells a stopped or hung writer
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                send(Message(Kind.ALIVE, gen))
+            except OSError:
+                return
+
+    threading.Thread(target=beat, name="incluster-heartbeat", daemon=True).start()
 
     # (seq, step, timeline): the step's load() count, which keys it in the job store
     outcomes: "queue.Queue[tuple[int, int, int | None] | None]" = queue.Queue()
