@@ -61,8 +61,9 @@ def close_at_exit(ckpt: Checkpointer) -> None:
             return
         with c._lock:
             pending = [h.step for h in c._pending if not h.durable.done()]
-        if not pending:
-            return  # nothing to lose: the writer process follows its trainer out
+        if not pending:  # nothing to lose: the writer process follows its trainer out
+            check_out_at_exit(c)
+            return
         log.warning("incluster: rank %d exits without Checkpointer.close(); finishing the save(s) of step(s) "
                     "%s first (call close() at the end of training)", c.rank, pending)
         try:
@@ -75,6 +76,24 @@ def close_at_exit(ckpt: Checkpointer) -> None:
         register(drain)
     except RuntimeError:  # the interpreter is exiting already
         atexit.register(drain)
+
+
+def check_out_at_exit(ckpt: Checkpointer) -> None:
+    """A rank leaving without close() and with nothing in flight (an exception in the
+    training code, say) still checks out of the job store, as close() does: rank 0, which
+    hosts the store, waits at its own close() for every rank to check out (so the store
+    outlives their drains), and waited ``slot_timeout_s`` for this one. Rank 0 itself
+    leaves at once, as before: nothing of its own is in flight."""
+    address = getattr(ckpt, "_store_address", None)
+    if ckpt.rank == 0 or address is None:
+        return
+    from incluster.commit import StoreCoordinator
+    from incluster.wiring import closed_key
+
+    try:
+        StoreCoordinator(address, ckpt.rank, timeout=3).store.add(closed_key(ckpt.config.job), 1)
+    except Exception as exc:  # noqa: BLE001 - exiting anyway: rank 0 then waits, bounded
+        log.info("incluster: rank %d could not check out of the job store at exit: %s", ckpt.rank, exc)
 
 
 def job_derived(options: Mapping[str, Any], job: str, world_size: int) -> bool:

@@ -63,12 +63,17 @@ def start_store(config: Config, rank: int, world_size: int) -> Started:
     return server, address, tuple(int(t) for t in mine[1]), tuple(int(s) for s in mine[2]), kept_here
 
 
+def closed_key(job: str) -> str:
+    """The job store's count of ranks that checked out (close(), or an exit with nothing in flight)."""
+    return f"incluster/{job}/closed"
+
+
 def release_store(server: Any, address: StoreAddress | None, config: Config, rank: int, world_size: int) -> None:
     if address is None:
         return
     from incluster.commit import StoreCoordinator
 
-    key = f"incluster/{config.job}/closed"
+    key = closed_key(config.job)
     try:
         if rank != 0:
             StoreCoordinator(address, rank, timeout=10).store.add(key, 1)

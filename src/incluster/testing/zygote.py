@@ -99,6 +99,11 @@ while True:
                 except BaseException:
                     traceback.print_exc()
                     code = 1
+                try:  # an interpreter's own exit: threading's exit hooks (and joins), then atexit
+                    import threading
+                    threading._shutdown()
+                except BaseException:
+                    traceback.print_exc()
                 atexit._run_exitfuncs()
                 sys.stdout.flush()
                 sys.stderr.flush()
