@@ -431,8 +431,13 @@ class Uploader:
                 err = _words(err) + fix_for(err, self._folder)
                 key = re.sub(r"\d+", "N", err)
                 said, self._last_failure = self._last_failure == key, key
-                (log.info if said else log.warning)(  # the same failure again: once is enough
-                    "incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
+                if timeline >= AGAIN:  # close()'s catch-up: the run's newest step, always said
+                    log.warning("incluster: close() could not upload step %d, the run's newest, to the persistent "
+                                "tier (rank %d): %s; the tier's newest step stays the one before", step,
+                                self.p.rank, err)
+                else:
+                    (log.info if said else log.warning)(  # the same failure again: once is enough
+                        "incluster: persistent save of step %d failed on rank %d: %s", step, self.p.rank, err)
             self._report(done, err)
 
         threading.Thread(target=run, name=f"incluster-upload-{step}", daemon=True).start()

@@ -137,3 +137,26 @@ def test_an_endpoint_that_refuses_connections_is_named_as_such_and_tried_once(lo
             h.persisted.result(60)
         assert time.monotonic() - t0 < 15
     assert "does not exist" not in str(err.value)
+
+
+def test_close_failing_to_upload_the_newest_step_says_so_at_warning(local_dir, tmp_path, caplog):
+    """The tier fails every write after step 0's upload. Step 1's failure is warned of;
+    step 2 is skipped (step 1's upload still runs), so close() uploads it, and that fails
+    the same way: it was logged at INFO as a repeat, and with default logging nobody
+    learned that the run's last state never reached the tier."""
+    from incluster.testing import SlowTier
+
+    tier = SlowTier(FaultyTier(FsspecTier(str(tmp_path / "persist")), ops=("write",), after=3), latency_s=0.3)
+    caplog.set_level(logging.INFO, logger="incluster")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=tier,
+                                persistent_every=1) as ck:
+        assert ck.save(0, _state(0.0)).persisted.result(30) is True
+        one = ck.save(1, _state(1.0))
+        one.wait()
+        two = ck.save(2, _state(2.0))
+        two.wait()
+        assert two.persisted.result(30) is False  # skipped: step 1's upload was still retrying
+        with pytest.raises(incluster.TierUnavailableError):
+            one.persisted.result(30)
+    said = [r for r in caplog.records if "close() could not upload step 2" in r.getMessage()]
+    assert said and said[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
