@@ -108,6 +108,19 @@ def test_plan_past_the_models_range_never_shows_a_negative_share_and_says_no_pro
     assert any("makes no progress" in w for w in out["warnings"]), out["warnings"]
 
 
+def test_plan_flags_each_compared_configuration_outside_the_models_range() -> None:
+    """20,000 interruptions a day: the comparison rows said 118 % of GPU time (more GPU-hours
+    a day than the GPUs have) with no word, in the table and in the JSON."""
+    p = run("plan", "--gpus", "8", "--interruptions-per-day", "20000", "--restart-s", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    compare = json.loads(p.stdout)["compare"]
+    over = [n for n, r in compare.items() if r["badput_pct"]["total"] > 100]
+    assert over and all(any("no progress" in w for w in compare[n]["warnings"]) for n in over), compare
+    p = run("plan", "--gpus", "8", "--interruptions-per-day", "20000", "--restart-s", "1")
+    assert p.returncode == 0, p.stderr
+    assert all(f"{n}: " in " ".join(p.stdout.split()) for n in over), p.stdout
+
+
 def test_plan_refuses_what_it_cannot_plan_naming_the_flag() -> None:
     """nan and inf printed tables of nan with exit 0; a negative cost was "not a number";
     --persistent-every was ignored where every save goes to persistent storage."""

@@ -183,7 +183,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                "costs": costs.to_dict(),
                "plan": _result_dict(cfg, result),
                "warnings": plan_warnings(cfg, result),
-               "compare": {n: _result_dict(configs[n], r) for n, r in compare.items()}}
+               "compare": {n: {**_result_dict(configs[n], r), "warnings": plan_warnings(configs[n], r)}
+                           for n, r in compare.items()}}
         print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
@@ -218,10 +219,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     c = Table(title="each configuration at its optimal interval")
     for col in ("configuration", "interval", "total %", "ckpt %", "GPU-h/day"):
         c.add_column(col, justify="left" if col == "configuration" else "right")
+    outside: list[str] = []
     for name, r in compare.items():
-        c.add_row(name, f"{r.interval_s:.1f} s", _pct(r.badput), _pct(r.checkpoint_badput),
-                  f"{r.gpu_hours_per_day:.1f}")
+        flagged = plan_warnings(configs[name], r)
+        outside += [f"{name}: {w}" for w in flagged]
+        c.add_row(name + (" [yellow](!)[/]" if flagged else ""), f"{r.interval_s:.1f} s", _pct(r.badput),
+                  _pct(r.checkpoint_badput), f"{r.gpu_hours_per_day:.1f}")
     con.print(c)
+    for w in outside:  # a row outside the model's range is no figure to plan by
+        con.print(f"[yellow]warning:[/] {w}")
     return 0
 
 
