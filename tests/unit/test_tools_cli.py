@@ -405,6 +405,11 @@ def test_persistent_tier_is_listed_verified_and_exported(cluster: dict[str, str]
     assert code == 0 and "OK: 2 copies checked" in text, text
     code, text = inproc(capsys, "export", str(root), "--step", "10", "--to", "safetensors", str(tmp_path / "p.st"))
     assert code == 0 and "(persistent on persistent)" not in text and "persistent" in text, text
+    code, text = inproc(capsys, "export", "--persistent", str(root), "--step", "10", "--to", "torch",
+                        str(tmp_path / "p.pt"))  # no DIR: the tier alone (OUT was taken for a DIR)
+    assert code == 0 and os.path.exists(tmp_path / "p.pt"), text
+    code, text = inproc(capsys, "export", "--step", "10", "--to", "torch", str(tmp_path / "q.pt"))
+    assert code == 2 and "name where the checkpoint is" in text, text
     # Together with the RAM folders: six copies, and a corrupt persistent shard is a fault.
     flip_byte(str(d / "rank-00001.safetensors"))
     code, text = inproc(capsys, "verify", *cluster.values(), "--persistent", str(root))

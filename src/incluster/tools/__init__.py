@@ -23,8 +23,8 @@ def _locations(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
     if optional:
         p.add_argument("dirs", metavar="DIR", nargs="*",
                        help=_DIRS + "; none: this node's RAM folder ($INCLUSTER_LOCAL_DIR, else /dev/shm/incluster)")
-    else:
-        p.add_argument("dirs", metavar="DIR", nargs="+", help=_DIRS)
+    else:  # at least one DIR or --persistent URL (checked by the command)
+        p.add_argument("dirs", metavar="DIR", nargs="*", help=_DIRS + "; none needed with --persistent")
     p.add_argument("--persistent", metavar="URL", action="append", default=[],
                    help="also read this persistent tier (path or fsspec URL: s3://bucket/ckpt, ...)")
     p.add_argument("--job", default=None, help="only this job (default: every job found)")

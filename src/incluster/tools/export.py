@@ -187,6 +187,10 @@ def write_torch(state: Assembled, out: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     out, err = consoles()
+    if not args.dirs and not args.persistent:
+        line(err, "[red]error:[/]", "name where the checkpoint is: one or more DIRs (a node's RAM folder, a job "
+                                    "folder) or --persistent URL, before OUT")
+        return 2
     if os.path.lexists(args.out):  # every format alike: an export never overwrites anything
         line(err, "[red]error:[/]", f"{args.out} already exists; remove it or choose another OUT")
         return 2
