@@ -57,6 +57,14 @@ def _room(ring: SlotRing) -> int:
     return st.f_bavail * st.f_frsize + max((sl.size for sl in ring.slots), default=0)
 
 
+@dataclass(frozen=True)
+class _Work:
+    """A pending send or receive, with the partner it is with (for the error that names it)."""
+
+    work: Any
+    peer: int
+
+
 MEET_POLL_S = 0.2  # how often a pairing that waits re-reads its partner's incarnation
 REPAIR_STEP = 1 << 32  # a repaired pair's incarnations, apart from the trainer's writer restarts (0, 1, 2...)
 
@@ -256,11 +264,11 @@ class Replicator:
 
     def _send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
         pg, other = self._pairs[peer]
-        return pg.send(tensors, other, tag)
+        return _Work(pg.send(tensors, other, tag), peer)
 
     def _recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
         pg, other = self._pairs[peer]
-        return pg.recv(tensors, other, tag)
+        return _Work(pg.recv(tensors, other, tag), peer)
 
     def _ring(self, owner: int) -> SlotRing:
         ring = self.rings.get(owner)
@@ -273,7 +281,10 @@ class Replicator:
 
     def _wait_all(self, works: list[Any]) -> None:
         for w in works:
-            w.wait(self.timeout)
+            try:
+                w.work.wait(self.timeout)
+            except RuntimeError as exc:  # gloo names an address, never the rank: say which partner
+                raise RuntimeError(f"with partner rank {w.peer}: {exc}") from exc
 
     def exchange(self, step: int, own: OwnShard | None, coord: Coordinator) -> list[int]:
         """Run one step's replication with every partner; returns the owners received."""
