@@ -156,6 +156,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         # staging pool under a save() that already passed its "closed?" check
         self._api = threading.RLock()
         self._closed = False
+        self._checked_out = False  # out of the job store already (an exit with nothing in flight)
         self._writer: Writer = (
             # started, not awaited: its start (a torch import) overlaps load()'s restore
             ProcessWriter(params, on_persisted=self._persisted, on_death=self._writer_died, wait=False)
@@ -474,7 +475,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
             if not stuck:  # a staging thread still copying keeps its mappings: unmapping would crash it
                 self.ring.close()
                 self._stager.release_device()  # the device-side snapshot's GPU memory goes back
-            wiring.release_store(self._store_server, self._store_address, self.config, self.rank, self.world_size)
+            if not self._checked_out:  # once per rank: twice would let rank 0 end the store under the others
+                wiring.release_store(self._store_server, self._store_address, self.config, self.rank,
+                                     self.world_size)
             self._store_server = None
             self.events.record(ev.END, seconds=time.perf_counter() - t0)  # saves and uploads drained: not training
             self.events.close()

@@ -85,8 +85,9 @@ def check_out_at_exit(ckpt: Checkpointer) -> None:
     outlives their drains), and waited ``slot_timeout_s`` for this one. Rank 0 itself
     leaves at once, as before: nothing of its own is in flight."""
     address = getattr(ckpt, "_store_address", None)
-    if ckpt.rank == 0 or address is None:
+    if ckpt.rank == 0 or address is None or ckpt._checked_out:
         return
+    ckpt._checked_out = True  # a close() after this (an atexit hook of the user's) checks out no more
     from incluster.commit import StoreCoordinator
     from incluster.wiring import closed_key
 

@@ -76,17 +76,20 @@ class LoadPipeline:
         self._loads += 1  # first: every rank's n-th call is the same call, whatever fails below
         # the saves after it are a new sequence (writer/sequence.py), numbered from 0 again
         self._last_step, self._saves = -1, 0
-        t0 = time.perf_counter()
-        with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
-            step = self._load(state)
-        self._loaded = True
-        self._writer_up()
-        # After the writer's start too: the whole call is what training waited for (the
-        # goodput report counts it as load time, not as training).
-        report = self.last_restore
-        self.events.record(ev.LOAD, step=step, source=report.source if report else None,
-                           bytes=report.bytes if report else 0, seconds=time.perf_counter() - t0,
-                           restore_s=report.seconds if report else 0.0)
+        t0, before = time.perf_counter(), self.last_restore
+        try:
+            with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
+                step = self._load(state)
+            self._loaded = True
+            self._writer_up()
+        finally:
+            # After the writer's start too: the whole call is what training waited for (the
+            # goodput report counts it as load time, not as training). Also when what came
+            # after the restore raised: the restore happened.
+            report = self.last_restore
+            if report is not None and report is not before:
+                self.events.record(ev.LOAD, step=report.step, source=report.source, bytes=report.bytes,
+                                   seconds=time.perf_counter() - t0, restore_s=report.seconds)
         return step
 
     def _writer_up(self) -> None:

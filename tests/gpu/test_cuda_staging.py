@@ -355,11 +355,28 @@ def test_with_expandable_segments_the_writer_still_drains_the_snapshot(local_dir
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    out = subprocess.run([sys.executable, "-c", _SHARE_AND_EXIT, local_dir], capture_output=True, text=True,
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.8"}
+    out = subprocess.run([sys.executable, "-c", _NOT_EXPANDABLE, local_dir], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cannot drain the device-side snapshot" not in out.stderr, out.stderr[-2000:]
+
+
+_NOT_EXPANDABLE = """
+import sys, time, torch, incluster
+m = torch.nn.Linear(1024, 1024).cuda(); o = torch.optim.AdamW(m.parameters())
+m(torch.randn(8, 1024, device="cuda")).sum().backward(); o.step()
+with incluster.Checkpointer(local_dir=sys.argv[1], job="expandable", replicas=0) as ck:
+    ck.prepare({"m": m, "o": o}).result(120)
+    buf = ck._stager._device.buf
+    seg = [s for s in torch.cuda.memory_snapshot() if s["address"] <= buf.data_ptr() < s["address"] + s["total_size"]]
+    assert seg and seg[0].get("is_expandable") is False, seg[:1]  # shareable without pidfd_getfd
+    t0 = time.monotonic()
+    while not ck.gpu_drain_in_writer and time.monotonic() - t0 < 120:
+        time.sleep(0.05)
+    assert ck.gpu_drain_in_writer
+    ck.save(1, {"m": m, "o": o}).wait()
+"""
 
 
 def test_a_process_that_shared_its_snapshot_exits_clean(local_dir):

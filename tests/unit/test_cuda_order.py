@@ -254,3 +254,22 @@ def test_page_locked_memory_is_registered_in_the_states_gpu_context_and_undone(l
         assert not slot.pinned and [c[0] for c in fake.calls] == ["register", "unregister"]
     finally:
         ring.close()
+
+
+def test_page_locking_from_an_exit_hook_runs_inline(local_dir, cudart, monkeypatch):
+    """close() from an exit hook: the registration thread's pool no longer takes work
+    (interpreter shutdown); unregistering raised there and close() left the job store
+    and its claim unreleased."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fake = cudart(0)
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    monkeypatch.setattr(cuda, "_pinner", pool)
+    ring, slot = _mapped_slot(local_dir)
+    try:
+        cuda.register(slot, 0)
+        cuda.unregister(slot)
+        assert [c[0] for c in fake.calls] == ["register", "unregister"] and not slot.pinned
+    finally:
+        ring.close()

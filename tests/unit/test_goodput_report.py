@@ -291,3 +291,16 @@ def test_percentile_matches_numpy(xs: list[float], q: float) -> None:
 
 def test_percentile_of_nothing_is_none() -> None:
     assert percentile([], 50) is None
+
+
+def test_close_time_is_save_time_once_even_inside_a_window_of_lost_work(tmp_path: Path) -> None:
+    """An attempt whose close() drained for 28 s, then a restart back to its last save: the
+    28 s were counted as checkpoint save and again as lost progress."""
+    write(tmp_path, 0, 1, [(0, "start", {}), (1, "load", {"step": None, "seconds": 0}), *steps(0, [2, 3]),
+                           (3.5, "save", {"step": 1, "blocked_s": 0}), *steps(2, [4, 5]),
+                           (33, "end", {"seconds": 28})])
+    write(tmp_path, 0, 2, [(40, "start", {}), (41, "load", {"step": 1, "seconds": 1}), *steps(2, [42, 43]),
+                           (44, "end", {"seconds": 0})])
+    acc = build_report(tmp_path).per_rank[0]
+    assert acc["checkpoint_save"] == pytest.approx(28)
+    assert acc["lost_progress"] == pytest.approx(33 - 3.5 - 28)  # from its save of step 1 to its end, less close()

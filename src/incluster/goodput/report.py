@@ -82,7 +82,7 @@ def _restored_step(a: Attempt) -> float | None:
 
 
 def _busy(a: Attempt, lo: float, hi: float) -> float:
-    """Save-blocked and load seconds of events recorded in (lo, hi]."""
+    """Save-blocked, load and close() seconds of events recorded in (lo, hi]."""
     total = 0.0
     for e in a.events:
         if lo < float(e["t"]) <= hi:
@@ -90,7 +90,7 @@ def _busy(a: Attempt, lo: float, hi: float) -> float:
                 total += _num(e, "blocked_s")
             elif e["kind"] == ev.STAGE_WAIT:
                 total += _num(e, "seconds")
-            elif e["kind"] == ev.LOAD:
+            elif e["kind"] in (ev.LOAD, ev.END):  # end: close() draining, counted as save time
                 total += _num(e, "seconds")
     return total
 

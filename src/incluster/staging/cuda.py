@@ -47,7 +47,11 @@ def _on_pinner(fn: Callable[[], T]) -> T:
     with _pinner_lock:
         if _pinner is None:
             _pinner = ThreadPoolExecutor(1, thread_name_prefix="incluster-pin")
-    return _pinner.submit(fn).result()
+    try:
+        fut = _pinner.submit(fn)
+    except RuntimeError:  # the interpreter is exiting (close() from an exit hook): no kernel runs after
+        return fn()
+    return fut.result()
 
 
 def _status(err: object) -> tuple[int, str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -195,17 +196,20 @@ def _not_expandable() -> Iterator[None]:
     ``ptrace_scope=1`` and most container profiles, so the writer could never drain. The
     caching allocator honours the setting switched off for this one allocation (it then
     picks no block of an expandable segment) and on again after it."""
-    conf = ",".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    conf = ",".join(v for v in (os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")) if v)
     setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.13; before it:
               or getattr(torch.cuda.memory, "_set_allocator_settings", None))
-    if "expandable_segments:true" not in conf.replace(" ", "").lower() or setter is None:
+    off = re.sub(r"expandable_segments\s*:\s*true", "expandable_segments:False", conf, flags=re.IGNORECASE)
+    if off == conf or setter is None:
         yield
         return
-    setter("expandable_segments:False")
+    # The whole setting each time: a string of one key resets the others (max_split_size_mb,
+    # garbage_collection_threshold, ...) to their defaults for the rest of the run.
+    setter(off)
     try:
         yield
     finally:
-        setter("expandable_segments:True")
+        setter(conf)
 
 
 def warm(plan: Plan, tensors: Sequence[torch.Tensor], stream: Any) -> None:

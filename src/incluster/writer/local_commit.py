@@ -71,8 +71,15 @@ def commit_shard(req: CommitRequest, buf: Any) -> tuple[str, Sidecar]:
         checksum = Checksum(size=req.size, chunk=req.chunk, digests=tuple(req.digests))
     else:
         checksum = compute(buf, req.size, req.chunk)
-    if req.fsync and hasattr(buf, "flush"):
-        buf.flush()
+    if req.fsync:
+        # fsync of the file writes the mapping's dirty pages back (they are the file's page
+        # cache) without holding the GIL, as mmap.flush() does for the whole msync: a long
+        # flush silenced the writer's heartbeat, and the trainer took it for hung.
+        fd = os.open(req.staging_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     final = os.path.join(req.folder, step_file(req.step))
     os.replace(req.staging_path, final)
     faults.check("sidecar", req.rank, req.step)

@@ -124,6 +124,7 @@ class ProcessWriter:
             self.proc.wait(10)
             raise WriterProcessDied(f"the writer process (pid {self.pid}) could not start: {hello.error}")
         self._heard = time.monotonic()
+        self._rx_busy = False
         self._receiver = threading.Thread(target=self._receive, name="incluster-writer-rx", daemon=True)
         self._receiver.start()
         threading.Thread(target=self._watch, name="incluster-writer-watch", daemon=True).start()
@@ -227,24 +228,34 @@ class ProcessWriter:
             pass  # a dead writer is reported by the next save
 
     def _watch(self) -> None:
-        """A writer that sends nothing, not even its heartbeat, for ``STALL_S`` is stopped
-        (SIGSTOP, a debugger, a frozen cgroup) or hung with its interpreter blocked: it is
-        killed, so the restart path takes over at once. Before, only a send that the
-        writer did not read for ``3 x slot_timeout_s`` found it, and saves' small requests
-        never filled the socket: every save waited out ``slot_timeout_s`` for good."""
-        tick = time.monotonic()
+        """A writer that sends nothing, not even its heartbeat, for ``STALL_S`` while it
+        makes no progress either (no CPU time used, not waiting on I/O: stopped by SIGSTOP
+        or a debugger, a frozen cgroup, a deadlock) is killed, so the restart path takes
+        over at once. Before, only a send the writer did not read for ``3 x slot_timeout_s``
+        found it, and saves' small requests never filled the socket: every save waited out
+        ``slot_timeout_s`` for good. Its silence alone is not enough: a long call holding
+        its interpreter's lock also stops the heartbeat. Where ``/proc`` cannot tell, it
+        is never killed for silence."""
+        tick = progress = time.monotonic()
+        seen: tuple[str, int] | None = None
         while not self._gone.wait(protocol.HEARTBEAT_S):
             now = time.monotonic()
-            if now - tick > 5 * protocol.HEARTBEAT_S:  # this process was stopped itself: not the writer's silence
-                self._heard = now
+            if now - tick > 5 * protocol.HEARTBEAT_S or self._rx_busy:
+                progress = now  # this process was stopped itself, or is in a callback: words wait unread
             tick = now
-            quiet = now - self._heard
-            if quiet > protocol.STALL_S and self.proc.poll() is None:
-                self._hung = f"sent nothing, not even its heartbeat, for {quiet:.0f} s (stopped, or hung) and was killed"
-                log.warning("incluster: rank %d: the writer process (pid %s) %s; a new one takes over",
-                            self.params.rank, self.pid, self._hung)
-                self.proc.kill()
-                return
+            act = _activity(self.pid)
+            if act is not None and (act[0] == "D" or (seen is not None and act[1] != seen[1])):
+                progress = now  # on CPU, or waiting on I/O: busy, not hung
+            seen = act
+            quiet = now - max(self._heard, progress)
+            if act is None or quiet <= protocol.STALL_S or self.proc.poll() is not None:
+                continue
+            self._hung = (f"sent nothing, not even its heartbeat, and made no progress for {quiet:.0f} s "
+                          f"(state {act[0]}: stopped, or hung) and was killed")
+            log.warning("incluster: rank %d: the writer process (pid %s) %s; a new one takes over",
+                        self.params.rank, self.pid, self._hung)
+            self.proc.kill()
+            return
 
     def _receive(self) -> None:
         while True:
@@ -257,45 +268,52 @@ class ProcessWriter:
             self._heard = time.monotonic()
             if msg.gen != self.gen or msg.kind is Kind.ALIVE:
                 continue  # a stale reply (never applied to this writer's saves), or a heartbeat
-            if msg.kind is Kind.BYE:
-                self._bye.set()
-                self._gone.set()
-                continue
-            if msg.kind is Kind.PERSISTED:
-                if self._on_persisted is not None:
-                    self._on_persisted(msg.step, msg.error, msg.payload or 0)  # payload: the save's timeline
-                continue
-            if msg.kind in (Kind.DRAINED, Kind.DEVICE_READY):  # for the trainer's RemoteDrain
-                listener = self.drain_listener
-                if listener is None:
-                    continue
-                if msg.kind is Kind.DRAINED:
-                    listener.done(msg.step)
-                else:
-                    listener.on_ready(self.gen, msg.payload, msg.error)
-                continue
-            with self._lock:
-                futs = self._pending.get(msg.seq)
-                if futs is not None and msg.kind in (Kind.OUTCOME, Kind.ERROR):
-                    del self._pending[msg.seq]
-            if futs is None:
-                continue
-            local, outcome = futs
-            if msg.kind is Kind.LOCAL_DONE:
-                local.set_result(msg.payload)
-            elif msg.kind is Kind.ERROR:
-                err = CommitError(f"writer (pid {self.pid}) failed to commit step {msg.step}: {msg.error}")
-                local.set_exception(err)
-                outcome.set_exception(err)
-            elif msg.kind is Kind.OUTCOME:
-                if msg.error is None:
-                    outcome.set_result(None)
-                elif msg.error_type == "StoreLostError":
-                    outcome.set_exception(StoreLostError(msg.error))
-                elif msg.error_type == "PeerTimeoutError":
-                    outcome.set_exception(PeerTimeoutError(msg.error))
-                else:
-                    outcome.set_exception(CommitError(msg.error))
+            self._rx_busy = True  # futures' callbacks run here (the user's too): the watchdog waits
+            try:
+                self._dispatch(msg)
+            finally:
+                self._rx_busy = False
+
+    def _dispatch(self, msg: Message) -> None:
+        if msg.kind is Kind.BYE:
+            self._bye.set()
+            self._gone.set()
+            return
+        if msg.kind is Kind.PERSISTED:
+            if self._on_persisted is not None:
+                self._on_persisted(msg.step, msg.error, msg.payload or 0)  # payload: the save's timeline
+            return
+        if msg.kind in (Kind.DRAINED, Kind.DEVICE_READY):  # for the trainer's RemoteDrain
+            listener = self.drain_listener
+            if listener is None:
+                return
+            if msg.kind is Kind.DRAINED:
+                listener.done(msg.step)
+            else:
+                listener.on_ready(self.gen, msg.payload, msg.error)
+            return
+        with self._lock:
+            futs = self._pending.get(msg.seq)
+            if futs is not None and msg.kind in (Kind.OUTCOME, Kind.ERROR):
+                del self._pending[msg.seq]
+        if futs is None:
+            return
+        local, outcome = futs
+        if msg.kind is Kind.LOCAL_DONE:
+            local.set_result(msg.payload)
+        elif msg.kind is Kind.ERROR:
+            err = CommitError(f"writer (pid {self.pid}) failed to commit step {msg.step}: {msg.error}")
+            local.set_exception(err)
+            outcome.set_exception(err)
+        elif msg.kind is Kind.OUTCOME:
+            if msg.error is None:
+                outcome.set_result(None)
+            elif msg.error_type == "StoreLostError":
+                outcome.set_exception(StoreLostError(msg.error))
+            elif msg.error_type == "PeerTimeoutError":
+                outcome.set_exception(PeerTimeoutError(msg.error))
+            else:
+                outcome.set_exception(CommitError(msg.error))
 
     def _on_death(self, err: WriterProcessDied | None = None) -> None:
         if self._dead is not None:
@@ -338,6 +356,16 @@ class ProcessWriter:
             self.proc.wait()
         self.conn.close()
         self._tx.shutdown(wait=False)
+
+
+def _activity(pid: int | None) -> tuple[str, int] | None:
+    """(state, CPU clock ticks used) of a process from ``/proc``; None where it cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])  # state; utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def next_generation() -> int:
