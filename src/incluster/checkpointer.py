@@ -477,7 +477,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 self._stager.release_device()  # the device-side snapshot's GPU memory goes back
             if not self._checked_out:  # once per rank: twice would let rank 0 end the store under the others
                 wiring.release_store(self._store_server, self._store_address, self.config, self.rank,
-                                     self.world_size)
+                                     self.world_size, (self._loads, self._last_step))
             self._store_server = None
             self.events.record(ev.END, seconds=time.perf_counter() - t0)  # saves and uploads drained: not training
             self.events.close()

@@ -76,3 +76,15 @@ def test_a_first_writer_stops_at_once_naming_why_when_its_partner_did_not_start(
         Replicator(addr, 0, 2, (1,), (1,), local_dir=str(tmp_path), job="gone", node="n0", keep=2, timeout_s=60.0)
     assert time.monotonic() - t0 < 30  # far inside the 60 s the pairing would have waited
     del server
+
+
+def test_a_broken_exchange_names_the_partner_rank(pair):
+    """gloo's error names only an address: the survivor's error, read alone, blamed it."""
+    a, b = pair
+    paired = threading.Thread(target=b._refresh_pairs, args=(4,))  # both meet the pairing...
+    paired.start()
+    a._refresh_pairs(4)
+    paired.join(10)
+    b.close()  # ...then rank 1's writer goes, before the exchange
+    with pytest.raises(RuntimeError, match="with partner rank 1"):
+        a.exchange(4, None, _NoCoord())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from incluster.errors import CheckpointError
-from incluster.writer.sequence import SaveSequence, SkippedByOthers
+from incluster.writer.sequence import SaveSequence, SkippedByOthers, leave
 
 
 class Job:
@@ -127,16 +127,40 @@ def test_a_rank_that_closes_without_the_last_save_fails_it_for_the_others(closer
     a.check(2, -1, 0)
     if closer_first:
         b.close()
-        with pytest.raises(SkippedByOthers, match="rank 1 closed its Checkpointer after step 2"):
+        with pytest.raises(SkippedByOthers, match="rank 1 closed its Checkpointer or left after step 2"):
             a.check(4, 2, 1)
         assert job.failed == {}
     else:
         a.check(4, 2, 1)
         b.close()
-        assert job.failed == {4: "rank 1 did not save step 4: it closed its Checkpointer after step 2 (every rank "
+        assert job.failed == {4: "rank 1 did not save step 4: it closed its Checkpointer or left after step 2 (every rank "
                                  "must save the same steps)"}
     a.close()  # after its own last step: nothing to fail
     assert set(job.failed) <= {4}
+
+
+@pytest.mark.parametrize("leaver_first", [True, False])
+def test_a_rank_that_leaves_before_any_save_fails_the_others_first_save(leaver_first):
+    """Rank 1 left (close(), or an exception with nothing in flight) before it saved a
+    step since the timeline began: its writer saw no save, so only its trainer can mark
+    the end, and the others' first save waited slot_timeout_s for its copy."""
+    job = Job()
+    a, _ = job.rank(0)
+
+    def rank_1_leaves() -> None:
+        leave(job.successor, lambda s, why: job.failed.setdefault(s, why), 1, 0, -1)
+
+    if leaver_first:
+        rank_1_leaves()
+        with pytest.raises(SkippedByOthers, match=r"rank 1 closed its Checkpointer or left before it saved a step"):
+            a.check(5, -1, 0)
+        assert job.failed == {}
+    else:
+        a.check(5, -1, 0)
+        rank_1_leaves()
+        assert "rank 1 did not save step 5: it closed its Checkpointer or left before it saved a step" in job.failed[5]
+    leave(job.successor, lambda s, why: job.failed.setdefault(s, why), 1, 0, -1)  # marked again: nothing new
+    assert list(job.failed) in ([], [5])
 
 
 def test_after_a_load_the_same_step_numbers_start_a_new_sequence():

@@ -102,8 +102,8 @@ class SaveSequence:
             won, number = self._successor(self.timeline, self.pos, step, self.ordinal + 1)
             if won == CLOSED:
                 raise SkippedByOthers(
-                    f"rank {number} closed its Checkpointer after step {self.pos}: step {step} is not saved by "
-                    f"every rank ({SAME_STEPS})")
+                    f"rank {number} closed its Checkpointer or left {_since(self.pos)}: step {step} is not saved "
+                    f"by every rank ({SAME_STEPS})")
             if won == step or won <= self.pos:
                 self.pos, self.ordinal = step, number
                 return
@@ -124,12 +124,23 @@ class SaveSequence:
         and one they save later fails at once (no partner waits for this rank)."""
         if self.pos is None:
             return
-        won, _ = self._successor(self.timeline, self.pos, CLOSED, self.rank)
-        if won > self.pos:  # a step the others saved after it (not CLOSED: -1)
-            why = (f"rank {self.rank} did not save step {won}: it closed its Checkpointer after step {self.pos} "
-                   f"({SAME_STEPS})")
-            log.error("incluster: %s", why)
-            self._fail(won, why)
+        leave(self._successor, self._fail, self.rank, self.timeline, self.pos)
 
     def _after(self) -> str:
         return "as its first save," if self.pos is None or self.pos < 0 else f"after step {self.pos},"
+
+
+def leave(successor: Successor, fail: Callable[[int, str], object], rank: int, timeline: int, pos: int) -> None:
+    """Mark in the job store that ``rank`` saves no more after step ``pos`` (-1: no save
+    since ``timeline`` began): a step the others saved after it fails now, and one they
+    save later fails at once. The writer's close() and a rank's exit without close()."""
+    won, _ = successor(timeline, pos, CLOSED, rank)
+    if won > pos:  # a step the others saved after it (not CLOSED: -1)
+        why = (f"rank {rank} did not save step {won}: it closed its Checkpointer or left {_since(pos)} "
+               f"({SAME_STEPS})")
+        log.error("incluster: %s", why)
+        fail(won, why)
+
+
+def _since(pos: int) -> str:
+    return f"after step {pos}" if pos >= 0 else "before it saved a step (since it started, or since its last load())"
