@@ -90,15 +90,21 @@ def check_out_at_exit(ckpt: Checkpointer) -> None:
     ckpt._checked_out = True  # a close() after this (an atexit hook of the user's) checks out no more
     from incluster.commit import StoreCoordinator
     from incluster.wiring import closed_key
-    from incluster.writer.sequence import leave
+    from incluster.writer.sequence import EXITED, leave
 
     try:
         coord = StoreCoordinator(address, ckpt.rank, timeout=3)
-        # No save of this rank's comes any more: a step the others save next fails at once.
-        leave(coord.successor, coord.at(ckpt._loads).failed, ckpt.rank, ckpt._loads, ckpt._last_step)
+    except Exception as exc:  # noqa: BLE001 - exiting anyway: rank 0 then waits, bounded
+        log.warning("incluster: rank %d could not check out of the job store at exit: %s", ckpt.rank, exc)
+        return
+    try:  # no save of this rank's comes any more: a step the others save next fails at once
+        leave(coord.successor, coord.at(ckpt._loads).failed, ckpt.rank, ckpt._loads, ckpt._last_step, EXITED)
+    except Exception as exc:  # noqa: BLE001 - the others then time out on such a step instead
+        log.warning("incluster: rank %d could not mark its last save in the job store at exit: %s", ckpt.rank, exc)
+    try:
         coord.store.add(closed_key(ckpt.config.job), 1)
     except Exception as exc:  # noqa: BLE001 - exiting anyway: rank 0 then waits, bounded
-        log.info("incluster: rank %d could not check out of the job store at exit: %s", ckpt.rank, exc)
+        log.warning("incluster: rank %d could not check out of the job store at exit: %s", ckpt.rank, exc)
 
 
 def job_derived(options: Mapping[str, Any], job: str, world_size: int) -> bool:

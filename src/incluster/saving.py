@@ -36,7 +36,7 @@ from incluster.writer.base import Writer
 from incluster.writer.local_commit import CommitRequest
 from incluster.writer.process import ProcessWriter, next_generation
 from incluster.writer.protocol import WriterParams
-from incluster.writer.sequence import SAME_STEPS
+from incluster.writer.sequence import NO_MORE, SAME_STEPS
 
 log = logging.getLogger("incluster")
 MAX_WRITER_RESTARTS = 3  # per Checkpointer: a writer that keeps dying has a cause to find
@@ -324,7 +324,7 @@ class SavePipeline:
             isinstance(exc, PeerTimeoutError) or failed_on(str(exc)) not in (None, self.rank)
             or "(replication: " in str(exc) or "was started again" in str(exc)  # a pair's, not this rank's
             # a step only some ranks saved: raised by the next save(), it would fail that step everywhere too
-            or SAME_STEPS in str(exc))
+            or SAME_STEPS in str(exc) or NO_MORE in str(exc))
         if peer:  # another rank's failure: reported by wait() and the handle, never by this rank's next save()
             err.from_peer = True  # type: ignore[attr-defined]
             log.warning("incluster: rank %d: %s", self.rank, err)

@@ -69,26 +69,27 @@ def closed_key(job: str) -> str:
 
 
 def release_store(server: Any, address: StoreAddress | None, config: Config, rank: int, world_size: int,
-                  last: tuple[int, int] = (0, -1)) -> None:
+                  last: tuple[int, int]) -> None:
     """Check out of the job store (rank 0: and keep it up, bounded, until every rank did).
     ``last``: this rank's timeline and last save() step, marked first as the end of its
     saves (writer/sequence.py ``leave``), so no rank waits ``slot_timeout_s`` for a step
-    this one never saves. The writer marks it too once it saw a save; the mark is the
-    same either way (first one wins)."""
+    this one never saves. The writer marks its own last step too, once it saw a save (the
+    same step, unless the others skipped this rank's last one: a key nobody else reads)."""
     if address is None:
         return
     from incluster.commit import StoreCoordinator
-    from incluster.writer.sequence import leave
+    from incluster.writer.sequence import CLOSED, leave
 
     key = closed_key(config.job)
+    coord = None
     try:
         coord = StoreCoordinator(address, rank, timeout=10)
-        try:
-            leave(coord.successor, coord.at(last[0]).failed, rank, last[0], last[1])
-        except Exception as exc:  # noqa: BLE001 - the others then time out on such a step instead
-            log.info("incluster: rank %d could not mark its last save in the job store: %s", rank, exc)
+        leave(coord.successor, coord.at(last[0]).failed, rank, last[0], last[1], CLOSED)
+    except Exception as exc:  # noqa: BLE001 - the others then time out on such a step instead
+        log.info("incluster: rank %d could not mark its last save in the job store: %s", rank, exc)
+    try:
         if rank != 0:
-            coord.store.add(key, 1)
+            (coord or StoreCoordinator(address, rank, timeout=10)).store.add(key, 1)
             return
         server.add(key, 1)
         deadline = time.monotonic() + config.slot_timeout_s

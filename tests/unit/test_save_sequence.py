@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from incluster.errors import CheckpointError
-from incluster.writer.sequence import SaveSequence, SkippedByOthers, leave
+from incluster.writer.sequence import CLOSED, EXITED, SaveSequence, SkippedByOthers, leave
 
 
 class Job:
@@ -127,14 +127,14 @@ def test_a_rank_that_closes_without_the_last_save_fails_it_for_the_others(closer
     a.check(2, -1, 0)
     if closer_first:
         b.close()
-        with pytest.raises(SkippedByOthers, match="rank 1 closed its Checkpointer or left after step 2"):
+        with pytest.raises(SkippedByOthers, match="rank 1 closed its Checkpointer after step 2 and saves no more: step 4 is not saved by every rank"):
             a.check(4, 2, 1)
         assert job.failed == {}
     else:
         a.check(4, 2, 1)
         b.close()
-        assert job.failed == {4: "rank 1 did not save step 4: it closed its Checkpointer or left after step 2 (every rank "
-                                 "must save the same steps)"}
+        assert job.failed == {4: "rank 1 closed its Checkpointer after step 2 and saves no more: step 4 is not saved "
+                                 "by every rank"}
     a.close()  # after its own last step: nothing to fail
     assert set(job.failed) <= {4}
 
@@ -148,18 +148,19 @@ def test_a_rank_that_leaves_before_any_save_fails_the_others_first_save(leaver_f
     a, _ = job.rank(0)
 
     def rank_1_leaves() -> None:
-        leave(job.successor, lambda s, why: job.failed.setdefault(s, why), 1, 0, -1)
+        leave(job.successor, lambda s, why: job.failed.setdefault(s, why), 1, 0, -1, EXITED)
 
     if leaver_first:
         rank_1_leaves()
-        with pytest.raises(SkippedByOthers, match=r"rank 1 closed its Checkpointer or left before it saved a step"):
+        with pytest.raises(SkippedByOthers, match=r"rank 1 exited without close\(\) \(its training code raised\?\) without saving a step since it started or "
+                                                     r"since its last load\(\) and saves no more: step 5 is not saved"):
             a.check(5, -1, 0)
         assert job.failed == {}
     else:
         a.check(5, -1, 0)
         rank_1_leaves()
-        assert "rank 1 did not save step 5: it closed its Checkpointer or left before it saved a step" in job.failed[5]
-    leave(job.successor, lambda s, why: job.failed.setdefault(s, why), 1, 0, -1)  # marked again: nothing new
+        assert job.failed[5].startswith("rank 1 exited without close() (its training code raised?) without saving a step")
+    leave(job.successor, lambda s, why: job.failed.setdefault(s, why), 1, 0, -1, CLOSED)  # marked again: nothing new
     assert list(job.failed) in ([], [5])
 
 

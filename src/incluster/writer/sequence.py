@@ -42,13 +42,15 @@ from incluster.errors import CommitError
 log = logging.getLogger("incluster")
 
 SAME_STEPS = "every rank must save the same steps"  # in every verdict here (saving.py tells them by it)
+NO_MORE = "saves no more"  # ... or this, where the rank that did not save the step had left
 
 _MAX_WALK = 64  # steps the others may have saved that this rank skipped, checked per save
 
 # (timeline, prev, step, number) -> the (step, number) recorded after prev (first one wins);
-# step CLOSED: the rank that got there first closed its Checkpointer after prev (number: its rank)
+# step CLOSED / EXITED: the rank that got there first closed its Checkpointer after prev, or
+# exited without close() (number: its rank)
 Successor = Callable[[int, int, int, int], tuple[int, int]]
-CLOSED = -1
+CLOSED, EXITED = -1, -2
 
 
 class SkippedByOthers(CommitError):
@@ -100,10 +102,8 @@ class SaveSequence:
         assert self.pos is not None
         for _ in range(_MAX_WALK):
             won, number = self._successor(self.timeline, self.pos, step, self.ordinal + 1)
-            if won == CLOSED:
-                raise SkippedByOthers(
-                    f"rank {number} closed its Checkpointer or left {_since(self.pos)}: step {step} is not saved "
-                    f"by every rank ({SAME_STEPS})")
+            if won in (CLOSED, EXITED):
+                raise SkippedByOthers(f"{_gone(number, won, self.pos)}: step {step} is not saved by every rank")
             if won == step or won <= self.pos:
                 self.pos, self.ordinal = step, number
                 return
@@ -124,23 +124,26 @@ class SaveSequence:
         and one they save later fails at once (no partner waits for this rank)."""
         if self.pos is None:
             return
-        leave(self._successor, self._fail, self.rank, self.timeline, self.pos)
+        leave(self._successor, self._fail, self.rank, self.timeline, self.pos, CLOSED)
 
     def _after(self) -> str:
         return "as its first save," if self.pos is None or self.pos < 0 else f"after step {self.pos},"
 
 
-def leave(successor: Successor, fail: Callable[[int, str], object], rank: int, timeline: int, pos: int) -> None:
+def leave(successor: Successor, fail: Callable[[int, str], object], rank: int, timeline: int, pos: int,
+          how: int) -> None:
     """Mark in the job store that ``rank`` saves no more after step ``pos`` (-1: no save
-    since ``timeline`` began): a step the others saved after it fails now, and one they
-    save later fails at once. The writer's close() and a rank's exit without close()."""
-    won, _ = successor(timeline, pos, CLOSED, rank)
-    if won > pos:  # a step the others saved after it (not CLOSED: -1)
-        why = (f"rank {rank} did not save step {won}: it closed its Checkpointer or left {_since(pos)} "
-               f"({SAME_STEPS})")
+    since ``timeline`` began), because it closed its Checkpointer (``how`` CLOSED) or
+    exits without close() (EXITED): a step the others saved after it fails now, and one
+    they save later fails at once."""
+    won, _ = successor(timeline, pos, how, rank)
+    if won > pos:  # a step the others saved after it (not CLOSED or EXITED, both < -1 < pos)
+        why = f"{_gone(rank, how, pos)}: step {won} is not saved by every rank"
         log.error("incluster: %s", why)
         fail(won, why)
 
 
-def _since(pos: int) -> str:
-    return f"after step {pos}" if pos >= 0 else "before it saved a step (since it started, or since its last load())"
+def _gone(rank: int, how: int, pos: int) -> str:
+    what = "closed its Checkpointer" if how == CLOSED else "exited without close() (its training code raised?)"
+    since = f"after step {pos}" if pos >= 0 else "without saving a step since it started or since its last load()"
+    return f"rank {rank} {what} {since} and {NO_MORE}"
