@@ -413,7 +413,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._raise_errors()
 
     def _raise_errors(self, peers: bool = True) -> None:
-        """Raise the first background error not raised yet. ``peers=False`` (save()) keeps
+        """Raise the first background error not raised yet, the later ones named in a note
+        (each raised once: two failed saves refused two later save() calls before). ``peers=False`` (save()) keeps
         other ranks' failures for wait(): raised by save(), such an error would fail this
         rank's new step too, which the other ranks would then raise at their next save(),
         and so on - no step saved again."""
@@ -424,10 +425,15 @@ class Checkpointer(SavePipeline, LoadPipeline):
             kept = [e for e in self._errors if not (_from_peer(e[1]) and newest is not None and e[0].step < newest)]
             errors = kept if peers else [e for e in kept if not _from_peer(e[1])]
             self._errors = [e for e in kept if e not in errors]
-        for handle, err in errors:
-            if not handle.reported:
-                handle.reported = True
-                raise err
+        errors = [(h, e) for h, e in errors if not h.reported]
+        if not errors:
+            return
+        for handle, _ in errors:  # all of them reach the caller now: none refuses a later save() again
+            handle.reported = True
+        first = errors[0][1]
+        if len(errors) > 1:
+            first.add_note(_more_failed(errors[1:]))
+        raise first
 
     def _check_usable(self, peers: bool = True) -> None:
         if self._closed:
@@ -521,6 +527,13 @@ class Checkpointer(SavePipeline, LoadPipeline):
             from incluster.staging import cuda
 
             cuda.unregister(slot)
+
+
+def _more_failed(later: list[tuple[SaveHandle, BaseException]]) -> str:
+    """The note on the first of several background errors raised at once: the others."""
+    shown = [f"step {h.step}: {type(e).__name__}: {str(e)[:160]}" for h, e in later[:4]]
+    more = f"; and {len(later) - 4} more" if len(later) > 4 else ""
+    return f"{len(later)} later save(s) failed too (not raised again): " + "; ".join(shown) + more
 
 
 def _from_peer(err: BaseException) -> bool:

@@ -480,6 +480,30 @@ def test_an_earlier_saves_error_raised_by_save_says_that_step_was_not_saved(loca
         assert ck.load({"w": torch.zeros(100)}) == 4
 
 
+def test_several_earlier_failures_are_raised_by_one_save_and_the_next_save_goes_on(local_dir, monkeypatch):
+    """Two saves failed in the background, unobserved: save() raised the first, and the
+    save() after it the second, so two more steps went unsaved for one incident."""
+    from incluster.testing import FaultInjector
+
+    faults = FaultInjector().fail_at(phase="commit", step=1, action="slow", seconds=1.0)  # 2 is saved meanwhile
+    faults.fail_at(phase="commit", step=1, action="raise").fail_at(phase="commit", step=2, action="raise")
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread", keep=3) as ck:
+        ck.save(0, {"w": torch.zeros(100)}).wait()
+        handles = [ck.save(step, {"w": torch.full((100,), float(step))}) for step in (1, 2)]
+        for h in handles:
+            with contextlib.suppress(incluster.CheckpointError):
+                h.durable.result(30)
+        with pytest.raises(incluster.CommitError, match="step 1") as err:
+            ck.save(3, {"w": torch.full((100,), 3.0)})
+        notes = getattr(err.value, "__notes__", [])
+        assert any(n.startswith("1 later save(s) failed too") and "step 2: " in n for n in notes), notes
+        ck.save(4, {"w": torch.full((100,), 4.0)}).wait()
+        ck.wait()  # nothing left to raise
+    with incluster.Checkpointer(local_dir=local_dir, job="j", writer="thread") as ck:
+        assert ck.load({"w": torch.zeros(100)}) == 4
+
+
 def test_replicas_in_a_one_process_job_warns_without_advising_a_tier_it_has(local_dir, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="incluster"):
         incluster.Checkpointer(local_dir=local_dir, job="r1", writer="thread", replicas=1).close()
