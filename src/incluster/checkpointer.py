@@ -258,6 +258,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
                     exc.add_note(f"save({step}) raised this error of an earlier save instead of starting: step "
                                  f"{step} is not saved (on any rank); the next save() goes on as usual")
                 raise
+            gone = self._writer_gone()
+            if gone is not None:  # every save would fail in the background: say so here, each time
+                raise gone
             if step <= self._restored:  # a slot need not hold the restored step (resharded, or not healed)
                 raise CheckpointError(
                     f"step {step} is not newer than step {self._restored}, which load() restored; checkpoint "
@@ -314,7 +317,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
 
         def publish() -> None:
             try:
-                self._live_writer().fail(step, reason, seq)
+                # A writer gone for good publishes from here (ProcessWriter.fail on a dead one).
+                writer = self._writer if self._writer_gone() is not None else self._live_writer()
+                writer.fail(step, reason, seq)
             except Exception as err:  # noqa: BLE001 - the caller gets the original error
                 log.warning("incluster: rank %d could not tell the other ranks that step %d failed: %s",
                             self.rank, step, err)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from incluster import wiring
 from incluster.config import Config
-from incluster.errors import CheckpointError, WriterProcessDied
+from incluster.errors import CheckpointError
 from incluster.goodput import events as ev
 from incluster.recovery.heal import changing_pointers
 from incluster.recovery.meet import ArrivalWatch
@@ -81,29 +81,20 @@ class LoadPipeline:
             with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
                 step = self._load(state)
             self._loaded = True
-            self._writer_up()
+            # Not waiting for the writer process's start (a fresh interpreter importing
+            # torch: seconds with several ranks per node, often longer than the restore):
+            # training goes on at once, and a save made before the writer is up queues
+            # behind its start. A start that fails is a writer death like any other
+            # (started again in the background; the saves it held fail with the reason).
         finally:
-            # After the writer's start too: the whole call is what training waited for (the
-            # goodput report counts it as load time, not as training). Also when what came
-            # after the restore raised: the restore happened.
+            # The whole call is what training waited for (the goodput report counts it as
+            # load time, not as training). Also when what came after the restore raised:
+            # the restore happened.
             report = self.last_restore
             if report is not None and report is not before:
                 self.events.record(ev.LOAD, step=report.step, source=report.source, bytes=report.bytes,
                                    seconds=time.perf_counter() - t0, restore_s=report.seconds)
         return step
-
-    def _writer_up(self) -> None:
-        """After the restore, which the writer process's start overlapped: that start is
-        over, or load() raises why it failed (a writer that died starting is started
-        again once, as after any death; one that cannot start at all stops the job here,
-        not at its first save)."""
-        wait = getattr(self._writer, "wait_started", None)
-        if wait is None:
-            return
-        try:
-            wait()  # bounded: the start's own handshake timeout ends it
-        except WriterProcessDied:
-            self._live_writer()  # the next one, or the error saying why not
 
     def _load(self, state: Mapping[str, Any]) -> int | None:
         try:

@@ -378,12 +378,9 @@ class SavePipeline:
             dead = getattr(self._writer, "dead", None)
             if dead is None or self._closed:
                 return self._writer
-            if self._writer_restarts >= MAX_WRITER_RESTARTS:
-                raise WriterProcessDied(
-                    f"{dead}. It was started again {self._writer_restarts} times in this job and is not "
-                    f"started again: look for what kills it (its stderr, the kernel log: out of memory?), "
-                    f"then restart the job - it resumes from the newest complete step"
-                )
+            gone = self._writer_gone()
+            if gone is not None:
+                raise gone
             self._writer_restarts += 1
             with self._lock:
                 uploads = list(self._uploads)
@@ -407,6 +404,16 @@ class SavePipeline:
                 raise
             old.close(1.0)
             return self._writer
+
+    def _writer_gone(self) -> WriterProcessDied | None:
+        """Why this rank saves no more: its writer died after its last restart; else None."""
+        dead = getattr(self._writer, "dead", None)
+        if dead is None or self._writer_restarts < MAX_WRITER_RESTARTS:
+            return None
+        return WriterProcessDied(
+            f"{dead}. It was started again {self._writer_restarts} times in this job and is not "
+            f"started again: look for what kills it (its stderr, the kernel log: out of memory?), "
+            f"then restart the job - it resumes from the newest complete step")
 
     def _announce(self, state: str) -> None:
         params = self._writer_params

@@ -84,10 +84,9 @@ def test_work_since_the_last_save_that_a_sigkill_lost_is_lost_progress_without_r
 
 @pytest.mark.timeout(120)
 def test_waits_inside_load_and_close_are_checkpoint_time_not_goodput(local_dir, tmp_path: Path, monkeypatch) -> None:
-    """load() waits for its writer process's start (here held 2 s) after the restore, and
-    close() for an upload (a tier answering each call 0.6 s late): both were counted as
-    training, since the ``load`` event was written before the wait and close() wrote
-    nothing of its own."""
+    """close() waits for an upload (a tier answering each call 0.6 s late): that was
+    counted as training, since close() wrote nothing of its own. The writer process's
+    start (here held 2 s) is waited for by neither load() nor training: it overlaps them."""
     import time
 
     import torch
@@ -117,7 +116,7 @@ def test_waits_inside_load_and_close_are_checkpoint_time_not_goodput(local_dir, 
     t2 = time.monotonic()
     ck.close()  # waits for the upload: several tier calls
     t3 = time.monotonic()
-    assert t1 - t0 >= 2 and t3 - t2 >= 1.2, (t1 - t0, t3 - t2)
+    assert t1 - t0 < 2 and t3 - t2 >= 1.2, (t1 - t0, t3 - t2)  # load() did not wait for the writer
     acc = build_report(tmp_path / "run").per_rank[0]
     assert acc["checkpoint_load"] >= 0.9 * (t1 - t0), acc
     assert acc["checkpoint_save"] >= 0.9 * (t3 - t2), acc
