@@ -135,6 +135,7 @@ class SavePipeline:
         handle.staged_s = (job.staged_at or time.perf_counter()) - handle.started
         self.events.record(ev.STAGED, step=job.step, seconds=handle.staged_s)
         self.ring.set_state(job.slot, SlotState.COMMITTING)
+        self._writer_answered()
         writer = self._writer
         try:
             writer = self._live_writer()
@@ -404,6 +405,18 @@ class SavePipeline:
                 raise
             old.close(1.0)
             return self._writer
+
+    def _writer_answered(self) -> None:
+        """Staging thread, before a save is handed to the writer: the writer's start is
+        over (neither the constructor nor load() waits for it). A save is then never held
+        by a writer whose start fails: ``_live_writer`` hands it to the next one."""
+        wait = getattr(self._writer, "wait_started", None)
+        if wait is None:
+            return
+        try:
+            wait()  # bounded: the start's own handshake timeout ends it
+        except Exception:  # noqa: BLE001 - it died starting: the next one takes the save
+            pass
 
     def _writer_gone(self) -> WriterProcessDied | None:
         """Why this rank saves no more: its writer died after its last restart; else None."""
