@@ -60,6 +60,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         _config.check_names(options, "Checkpointer()")
         self.config = _config.resolve(**options)
         self._job_derived = False  # rank 0: no job= or INCLUSTER_JOB, so the name came from the launch
+        self._replicas_asked = "replicas" in options  # else the default: a shortfall is news, not a warning
         self.rank, self.world_size = launch.rank_world()
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         if self.rank == 0:
@@ -107,7 +108,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._early_persisted: dict[tuple[int, int], str | None] = {}  # upload outcomes told before the commit was handled
         self._stager = Stager(self.ring, self.config.allow_pickle, self.config.gpu_snapshot)
         self._store_server, address, targets, sources, node_folders = wiring.start_store(
-            self.config, self.rank, self.world_size)
+            self.config, self.rank, self.world_size, asked=self._replicas_asked)
         self._store_address = address
         if address is not None and self.world_size > 1:
             refuse_shared_folder(os.path.dirname(self.folder), self.rank, self.config.node, address.run)

@@ -25,10 +25,11 @@ log = logging.getLogger("incluster")
 Started = tuple[object, StoreAddress | None, tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]
 
 
-def start_store(config: Config, rank: int, world_size: int) -> Started:
+def start_store(config: Config, rank: int, world_size: int, asked: bool = True) -> Started:
     """(store server or None, its address, my replica targets, my replica sources, and - on
     each node's lowest rank - the ranks whose folders belong on this node: its ranks' own
-    and the replicas they keep; ``writer/sweep.py`` removes the others)."""
+    and the replicas they keep; ``writer/sweep.py`` removes the others). ``asked``: the user
+    passed replicas (a default that the nodes cannot hold is said at INFO, not as a warning)."""
     if world_size == 1:
         return None, None, (), (), (0,)
     from incluster.topology import Topology, replica_targets
@@ -40,12 +41,11 @@ def start_store(config: Config, rank: int, world_size: int) -> Started:
     if nodes is not None:
         topo = Topology.from_nodes(nodes)
         replicas = topo.effective_replicas(config.replicas)
-        if replicas < config.replicas:
-            log.warning(
-                "incluster: %d replica(s) asked for, but the job spans %d node(s): keeping %d "
-                "(a replica never lives on its owner's node)",
-                config.replicas, len(topo.nodes), replicas,
-            )
+        if replicas < config.replicas:  # a default the user never chose is news, not a warning
+            log.log(logging.WARNING if asked else logging.INFO,
+                    "incluster: %s, but the job spans %d node(s): keeping %d (a replica never lives on its "
+                    "owner's node)", f"{config.replicas} replica(s) asked for" if asked else
+                    f"replicas={config.replicas} (the default)", len(topo.nodes), replicas)
         server, address = host_store(config.job, world_size, 1 + replicas)
         sources: dict[int, list[int]] = {r: [] for r in range(world_size)}
         targets = {r: tuple(replica_targets(topo, r, replicas)) for r in range(world_size)}

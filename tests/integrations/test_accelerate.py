@@ -295,3 +295,31 @@ def test_processes_accelerate_does_not_synchronize_are_warned_about(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "the launch has 2 processes, but accelerate runs 1" in said[0], said
     assert "Accelerator(cpu=True)" in said[0]
+
+
+def test_a_run_over_a_job_with_steps_that_did_not_call_load_is_refused_before_it_trains(local_dir):
+    """The Checkpointer refused only the first save, a save interval later, and named its
+    own load(), not the AcceleratorCheckpoint's."""
+    require("accelerate", "accelerate")
+    from accelerate import Accelerator
+
+    from incluster.integrations.accelerate import AcceleratorCheckpoint
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(4, 2))
+    loader = acc.prepare(torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+    with incluster.Checkpointer(local_dir=local_dir, job="nl", writer="thread") as ckpt:
+        ac = AcceleratorCheckpoint(acc, ckpt)
+        assert ac.load() is None
+        for _ in ac.batches(loader, 0):
+            pass
+        ac.save(3).wait()
+    with incluster.Checkpointer(local_dir=local_dir, job="nl", writer="thread") as ckpt:
+        ac = AcceleratorCheckpoint(acc, ckpt)
+        with pytest.raises(CheckpointError, match=r"did not call AcceleratorCheckpoint.load\(\): call `start = ac.load"):
+            next(iter(ac.batches(loader, 0)))
+        with pytest.raises(CheckpointError, match="already holds step 3"):
+            ac.save(1)
+        assert ac.load() == 3
+        assert sum(1 for _ in ac.batches(loader, 1)) == 4  # resumed: the loop goes on
+    del model

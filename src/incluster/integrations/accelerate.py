@@ -146,12 +146,26 @@ class AcceleratorCheckpoint:
                 f"False): the gradients accumulated so far are not part of a checkpoint, so a run resumed from "
                 f"it differs from the uninterrupted one; save right after an optimizer step "
                 f"(when accelerator.sync_gradients is True)"))
+        self._refuse_unloaded()
         if not self._iterated:
             self._warn("position", (
                 f"step {step} is saved without a data position: the loop does not iterate "
                 f"AcceleratorCheckpoint.batches(loader, epoch), so a resumed run starts its epochs over; "
                 f"iterate batches() (see the module's loop)"))
         return self.checkpointer.save(step, self.state(), persist=persist)
+
+    def _refuse_unloaded(self) -> None:
+        """A run over a job that already holds steps here, without load(): refused before
+        the loop trains (the Checkpointer would refuse only the first save, naming its own
+        load(), after a save interval of training)."""
+        ck = self.checkpointer
+        held = getattr(ck, "_held_at_start", -1)
+        if getattr(ck, "_loaded", True) or held < 0:
+            return
+        raise CheckpointError(
+            f"job {ck.config.job!r} already holds step {held} on this node from an earlier run, and this run did "
+            f"not call AcceleratorCheckpoint.load(): call `start = ac.load()` before the loop to resume the job "
+            f"(it returns the step to go on from, or None), or name a new job (job=...) to start afresh")
 
     def _warn(self, kind: str, text: str) -> None:
         if kind not in self._warned:
@@ -185,6 +199,7 @@ class AcceleratorCheckpoint:
                 "batches() resumes by skipping batches, which accelerate does not allow for a "
                 "StatefulDataLoader; prepare the dataloader without use_stateful_dataloader"
             )
+        self._refuse_unloaded()
         self._iterated = True
         pos = self.position
         resumed = self._skip is not None and self._skip[0] == epoch
