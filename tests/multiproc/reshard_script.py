@@ -75,6 +75,7 @@ def main() -> int:
     rule = os.environ.get("RESHARD_RULE", "same-rank")
     ck = incluster.Checkpointer(job="reshard", replicas=1, slot_timeout_s=60, persistent=tier, persistent_every=1,
                                 reshard_rank_state=rule, writer=os.environ.get("WRITER", "process"))
+    ck._refuse_resize = os.environ.get("RESHARD_REFUSE")  # as the Lightning and accelerate integrations set it
     res: dict = {"world": world}
     try:
         if phase == "save":

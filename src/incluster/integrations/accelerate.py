@@ -175,8 +175,10 @@ class AcceleratorCheckpoint:
     def load(self) -> int | None:
         """Restore the newest step every rank can recover (never an incomplete one), in
         place; returns it, or None when the job has none. Collective."""
+        why = "accelerate's data position and RNG states are per process"
+        self.checkpointer._refuse_resize = why  # refused before anything is restored, in these words
         step = self.checkpointer.load(self.state())
-        refuse_resize(self.checkpointer, "accelerate's data position and RNG states are per process")
+        refuse_resize(self.checkpointer, why)
         if step is not None:
             self._skip = (self.position.epoch, self.position.batches)
             log.info("incluster: resuming at step %d, epoch %d after %d batches",

@@ -180,8 +180,10 @@ class InclusterStrategyMixin:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         fitting = getattr(trainer.state.fn, "value", None) == "fit"
         state = ls.template(model, optimizers if fitting else [])
+        why = "Lightning's loop and data-loader positions and each rank's RNG are per process"
+        self.incluster._refuse_resize = why  # refused before anything is restored, in these words
         step = self.incluster.load(state)
-        refuse_resize(self.incluster, "Lightning's loop and data-loader positions and each rank's RNG are per process")
+        refuse_resize(self.incluster, why)
         self.incluster_restored_step = step
         if not any(getattr(cb, "_incluster_saves", False) for cb in getattr(trainer, "callbacks", [])):
             log.warning("incluster: this fit resumes from incluster but has no InclusterCheckpoint callback, so it "

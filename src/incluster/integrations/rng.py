@@ -80,13 +80,16 @@ class RngState:
 
 def refuse_resize(ckpt: Any, why: str) -> None:
     """After a framework's ``load()``: a step saved by another number of processes cannot
-    continue the saved run (``why``), so say so now rather than train on other data."""
+    continue the saved run (``why``), so say so now rather than train on other data. Set
+    before the load (``Checkpointer._refuse_resize``), the restore itself refuses such a
+    step before any byte lands, with this same message."""
     report = getattr(ckpt, "last_restore", None)
     if report is None or report.source != "reshard" or report.old_world is None:
         return
-    raise CheckpointError(
-        f"step {report.step} was saved by {report.old_world} process(es) and this run has {ckpt.world_size}: "
-        f"{why}, so the run cannot go on as the saved one. Resume with {report.old_world} process(es); to "
-        f"change the number, load the model and optimizer with a plain incluster.Checkpointer (or "
-        f"`incluster export --to dcp`) and start the loop afresh"
-    )
+    raise CheckpointError(resize_refusal(report.step, report.old_world, ckpt.world_size, why))
+
+
+def resize_refusal(step: int | None, old: int, new: int, why: str) -> str:
+    return (f"step {step} was saved by {old} process(es) and this run has {new}: {why}, so the run cannot go on "
+            f"as the saved one. Resume with {old} process(es); to change the number, load the model and optimizer "
+            f"with a plain incluster.Checkpointer (or `incluster export --to dcp`) and start the loop afresh")

@@ -103,6 +103,7 @@ class Context:
     timeout_s: float
     persistent: Any = None  # a FsspecTier, or None
     rank_state: str = "same-rank"  # reshard_rank_state: a restore into another world size
+    refuse_resize: str | None = None  # an integration's reason no step of another world size can go on
     heal: Any = None  # out: a received copy (transfer.Received) whose heal is left to the caller
 
 
