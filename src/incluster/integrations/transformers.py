@@ -242,6 +242,10 @@ class InclusterTrainerMixin:
         t: Any = self
         parts = {key: _Held() for key in ("optimizer", "scheduler", "scaler", "rng")}
         info: dict[str, Any] = {}
+        if not t.args.ignore_data_skip:  # refused before anything is restored (recovery/reshard.py)
+            self.checkpointer._refuse_resize = (
+                "the Trainer's data position and each process's RNG are per process (pass ignore_data_skip=True "
+                "to train on from another position)")
         step = self.checkpointer.load({"model": t.model if model is None else model, **parts, "trainer": info})
         path = os.path.join(resume_from_checkpoint, _STATE_FILE)
         self.incluster_resumed_step = step
