@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                 if job not in restorable:
                     newer.setdefault(job, []).append(step)
             if lacking:
-                words.append(f"incomplete: rank {ranges(lacking)} lost")
+                words.append(f"incomplete: no copy of rank {ranges(lacking)}")
             elif job not in restorable:  # steps come newest first
                 restorable[job] = step
         if w is None or lacking:
