@@ -257,7 +257,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 self._check_usable(peers=False)  # an earlier background error of this rank surfaces here
             except CheckpointError as exc:
                 if not self._closed:
-                    exc.add_note(f"save({step}) raised this error of an earlier save instead of starting: step "
+                    _note(exc, f"save({step}) raised this error of an earlier save instead of starting: step "
                                  f"{step} is not saved (on any rank); the next save() goes on as usual")
                 raise
             gone = self._writer_gone()
@@ -439,7 +439,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             handle.reported = True
         first = errors[0][1]
         if len(errors) > 1:
-            first.add_note(_more_failed(errors[1:]))
+            _note(first, _more_failed(errors[1:]))
         raise first
 
     def _check_usable(self, peers: bool = True) -> None:
@@ -534,6 +534,14 @@ class Checkpointer(SavePipeline, LoadPipeline):
             from incluster.staging import cuda
 
             cuda.unregister(slot)
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)``; on Python 3.10, which has no notes, appended to its message."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:
+        exc.args = (f"{exc.args[0] if exc.args else ''} ({text})", *exc.args[1:])
 
 
 def _more_failed(later: list[tuple[SaveHandle, BaseException]]) -> str:

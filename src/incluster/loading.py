@@ -116,7 +116,7 @@ class LoadPipeline:
             allow_pickle=self.config.allow_pickle,
             timeout_s=self.config.slot_timeout_s,
             persistent=wiring.persistent_tier(self.config),
-            rank_state="refuse" if self._refuse_resize else self.config.reshard_rank_state,
+            rank_state=self.config.reshard_rank_state,
             refuse_resize=self._refuse_resize,
         )
         # The saves from here on are a new timeline, going on from the restored step (from

@@ -163,16 +163,22 @@ def test_ranks_that_disagree_on_the_rule_stop_together_with_the_reason(local_dir
     assert all("disagree" in job.output(r) for r in range(3)), [job.output(r)[-1500:] for r in range(3)]
 
 
-def test_an_integration_that_cannot_resize_refuses_before_anything_is_restored(local_dir, fsdp4):
+@pytest.mark.parametrize("where", ["ram", "tier"])
+def test_an_integration_that_cannot_resize_refuses_before_anything_is_restored(local_dir, fsdp4, where):
     """Lightning and accelerate refused a step saved by another number of processes only
     after load() had restored it into the live state, right after a warning that read as
-    if the restore went on."""
-    out, _ = _copy(fsdp4, local_dir)
+    if the restore went on. From the tier, such a step must be refused too, not passed
+    over for an older one of this size (the "refuse" rule's way)."""
+    out, env = _copy(fsdp4, local_dir)
+    if where == "tier":
+        for n in NODES:
+            shutil.rmtree(os.path.join(local_dir, n))  # every node's RAM is gone
     job = launch([SCRIPT, out, "load"], nodes=["n0", "n1", "n2"], ranks_per_node=1, base_dir=local_dir,
-                 env={"WRITER": "thread", "RESHARD_REFUSE": "the loop's positions are per process"})
+                 env={**env, "WRITER": "thread", "RESHARD_REFUSE": "the loop's positions are per process"})
     codes = job.wait(120)
     outs = [job.output(r) for r in range(3)]
     assert all(c != 0 for c in codes), codes
     said = "step 3 was saved by 4 process(es) and this run has 3: the loop's positions are per process"
     assert all(said in o and "Resume with 4 process(es)" in o for o in outs), [o[-1500:] for o in outs]
-    assert not any("restored into" in o or "reshard_rank_state" in o for o in outs), [o[-1500:] for o in outs]
+    assert not any("restored into" in o or "reshard_rank_state" in o or "fetched" in o for o in outs), [
+        o[-1500:] for o in outs]

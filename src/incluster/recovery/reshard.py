@@ -186,10 +186,6 @@ class Reshard:
         header received from its server."""
         dist, maps, old = _dist(), self.maps, self.maps.old_world
         src = source_of(self.me, old, self.rule, self.world)
-        if src is None and getattr(self.ctx, "refuse_resize", None):  # an integration's refusal, its words
-            from incluster.integrations.rng import resize_refusal
-
-            raise CheckpointError(resize_refusal(self.step, old, self.world, self.ctx.refuse_resize))
         if src is None:  # "refuse" (a setting every rank shares): nobody sends either
             raise CheckpointError(
                 f"step {self.step} was saved by {old} ranks and this job has {self.world}; reshard_rank_state="

@@ -179,6 +179,12 @@ class _Run:
                 self._collect(bad, rebuilt, every=True)
                 report.notes.extend(f"rank {h[1]}'s step {h[2]} rebuilt on {h[0]} from an identical shard" for h in rebuilt)
                 continue
+            if mine.world is not None and mine.world != ctx.world_size and ctx.refuse_resize:
+                # An integration's refusal, in its words: the plan is every rank's, so all stop
+                # here, before a byte lands or a tier shard is fetched (RAM and tier alike).
+                from incluster.integrations.rng import resize_refusal
+
+                raise CheckpointError(resize_refusal(mine.step, mine.world, ctx.world_size, ctx.refuse_resize))
             if mine.world is not None and (mine.world != ctx.world_size or mine.reshard):
                 self.dirty, self.loaded = self.dirty or self.loaded is not None, None
                 report.from_tier = mine.persistent is not None
