@@ -258,7 +258,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             except CheckpointError as exc:
                 if not self._closed:
                     _note(exc, f"save({step}) raised this error of an earlier save instead of starting: step "
-                                 f"{step} is not saved (on any rank); the next save() goes on as usual")
+                               f"{step} is not saved (on any rank); the next save() goes on as usual")
                 raise
             gone = self._writer_gone()
             if gone is not None:  # every save would fail in the background: say so here, each time
