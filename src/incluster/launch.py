@@ -88,23 +88,12 @@ def check_out_at_exit(ckpt: Checkpointer) -> None:
     if ckpt.rank == 0 or address is None or ckpt._checked_out:
         return
     ckpt._checked_out = True  # a close() after this (an atexit hook of the user's) checks out no more
-    from incluster.commit import StoreCoordinator
-    from incluster.wiring import closed_key
-    from incluster.writer.sequence import EXITED, leave
+    from incluster import wiring
+    from incluster.writer.sequence import EXITED
 
-    try:
-        coord = StoreCoordinator(address, ckpt.rank, timeout=3)
-    except Exception as exc:  # noqa: BLE001 - exiting anyway: rank 0 then waits, bounded
-        log.warning("incluster: rank %d could not check out of the job store at exit: %s", ckpt.rank, exc)
-        return
-    try:  # no save of this rank's comes any more: a step the others save next fails at once
-        leave(coord.successor, coord.at(ckpt._loads).failed, ckpt.rank, ckpt._loads, ckpt._last_step, EXITED)
-    except Exception as exc:  # noqa: BLE001 - the others then time out on such a step instead
-        log.warning("incluster: rank %d could not mark its last save in the job store at exit: %s", ckpt.rank, exc)
-    try:
-        coord.store.add(closed_key(ckpt.config.job), 1)
-    except Exception as exc:  # noqa: BLE001 - exiting anyway: rank 0 then waits, bounded
-        log.warning("incluster: rank %d could not check out of the job store at exit: %s", ckpt.rank, exc)
+    # As close() does, marking its last save first: a step the others save next fails at once.
+    wiring.release_store(None, address, ckpt.config, ckpt.rank, ckpt.world_size, (ckpt._loads, ckpt._last_step),
+                         how=EXITED)
 
 
 def job_derived(options: Mapping[str, Any], job: str, world_size: int) -> bool:

@@ -69,12 +69,14 @@ def closed_key(job: str) -> str:
 
 
 def release_store(server: Any, address: StoreAddress | None, config: Config, rank: int, world_size: int,
-                  last: tuple[int, int]) -> None:
+                  last: tuple[int, int], how: int | None = None) -> None:
     """Check out of the job store (rank 0: and keep it up, bounded, until every rank did).
     ``last``: this rank's timeline and last save() step, marked first as the end of its
     saves (writer/sequence.py ``leave``), so no rank waits ``slot_timeout_s`` for a step
     this one never saves. The writer marks its own last step too, once it saw a save (the
-    same step, unless the others skipped this rank's last one: a key nobody else reads)."""
+    same step, unless the others skipped this rank's last one: a key nobody else reads).
+    ``how``: how the rank left (writer/sequence.py CLOSED, the default, or EXITED: an exit
+    without close(), ``launch.check_out_at_exit``)."""
     if address is None:
         return
     from incluster.commit import StoreCoordinator
@@ -84,7 +86,7 @@ def release_store(server: Any, address: StoreAddress | None, config: Config, ran
     coord = None
     try:
         coord = StoreCoordinator(address, rank, timeout=10)
-        leave(coord.successor, coord.at(last[0]).failed, rank, last[0], last[1], CLOSED)
+        leave(coord.successor, coord.at(last[0]).failed, rank, last[0], last[1], CLOSED if how is None else how)
     except Exception as exc:  # noqa: BLE001 - the others then time out on such a step instead
         log.info("incluster: rank %d could not mark its last save in the job store: %s", rank, exc)
     try:
