@@ -278,6 +278,10 @@ def plan(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, st
     for kind, mode in sorted(ten, key=lambda km: km[1] != "snapshot"):  # the default first
         p.append((config_name(f"incluster.{mode}", kind, "k"), "incluster",
                   partial(run_every_k, args, report, kind, tok[kind], mode)))
+    if args.variants and args.features["gpu_snapshot_option"]:
+        for vname, env in VARIANTS:
+            p.append((config_name(f"incluster.snapshot+{vname}", "copy", "10"), "incluster",
+                      partial(run_variant, args, report, env)))
     if args.many_layers > 0:
         for mode in ("direct", "snapshot") if args.features["gpu_snapshot_option"] else ("direct",):
             p.append((config_name(f"incluster.{mode}", "many", "10"), "incluster", partial(run_many, args, report, mode)))
@@ -286,6 +290,32 @@ def plan(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, st
         p.append((config_name("dcp.kept", "copy", "10"), "dcp",
                   partial(run_dcp_config, args, report, "copy", tok["copy"], (cuda, False, True, cuda), False)))
     return p
+
+
+# The default (snapshot, writer drains) with one tuning variable changed, copy-bound, every
+# 10: the writer's hashing threads (durable against the loop's inflation) and the drain's
+# pieces (a smaller piece: a shorter wait for whatever else the GPU copies meanwhile).
+VARIANTS = [
+    ("hash16", {"INCLUSTER_HASH_THREADS": "16"}),
+    ("hash4", {"INCLUSTER_HASH_THREADS": "4"}),
+    ("piece4w4", {"INCLUSTER_DRAIN_PIECE_MIB": "4", "INCLUSTER_DRAIN_WINDOW": "4"}),
+]
+
+
+def run_variant(args: argparse.Namespace, report: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """The writer process starts with ``env`` (it reads the variables when it starts)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        res = run_incluster(args, report, "copy", args.tokens_copy, "snapshot", args.every, restore=False)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    res["env"] = env
+    return res
 
 
 def many_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -348,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                     "--quick/--cpu-smoke 2)")
     ap.add_argument("--restore-repeats", type=int, default=2, help="restores timed (default 2)")
     ap.add_argument("--no-dcp", action="store_true", help="leave DCP out")
+    ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                    help="the default run again with one tuning variable changed (INCLUSTER_HASH_THREADS, "
+                    "INCLUSTER_DRAIN_PIECE_MIB/WINDOW), copy-bound, every 10 (default on)")
     ap.add_argument("--dcp-kept", action=argparse.BooleanOptionalAction, default=True,
                     help="try DCP with a kept DefaultStager last, if time is left (default on)")
     ap.add_argument("--budget-s", type=float, default=230.0, help="skip configurations past this many seconds "

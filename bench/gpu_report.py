@@ -187,6 +187,11 @@ def notes(report: dict[str, Any]) -> list[str]:
                        + f"{sv.get('saves', 0)} saves, staged {ms(sv.get('staged_median_s'))} ms, durable "
                        f"{ms(sv.get('durable_median_s'))} ms, inflation {_pct(lp.get('inflation'))}")
     out += many_notes(report)
+    for name, c in (report.get("configs") or {}).items():
+        if "+" in name and c.get("saves_summary"):
+            sv, lp = c["saves_summary"], c.get("loop") or {}
+            out.append(f"{name} ({c.get('env')}): staged {_cell(c, 'staged')} ms, durable {_cell(c, 'durable')} ms, "
+                       f"inflation {_cell(c, 'inflation')} ms, step after a save {ms(lp.get('after_save_mean_s'))} ms, steady inflation {_pct(lp.get('steady_inflation'))}")
     skips: dict[str, list[str]] = {}
     for name, c in (report.get("configs") or {}).items():
         if c.get("error") and not name.startswith("dcp.kept"):

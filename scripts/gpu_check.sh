@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with CUDA and torch already installed:
-# tests/gpu, then bench/gpu.py within a time budget. Results go to $OUT (default ./gpu-out):
+# tests/gpu, the restore sweep, then bench/gpu.py within a time budget. Results go to $OUT (default ./gpu-out):
 # pytest's log and JUnit XML, the bench's JSON and log. Exits with the tests' status.
 #   OUT=/tmp/gpu-out BUDGET_S=240 TESTS_S=240 scripts/gpu_check.sh   (under 10 minutes in all)
 set -uo pipefail
@@ -15,6 +15,8 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cud
 { free -g; df -h /dev/shm; nproc; } >> "$OUT/nvidia-smi.txt" 2>&1 || true
 timeout "$TESTS_S" python3 -m pytest -q tests/gpu -p no:cacheprovider -o timeout=90 --junitxml="$OUT/tests-gpu.xml" 2>&1 | tee "$OUT/tests-gpu.log"
 rc=${PIPESTATUS[0]}
+# Which bounce-buffer shape restores fastest (the real read path, several shapes; ~30 s)
+timeout "${SWEEP_S:-90}" python3 bench/gpu_restore_sweep.py --out "$OUT/restore-sweep.json" 2>&1 | tee "$OUT/restore-sweep.log"
 timeout $((BUDGET_S + 90)) python3 bench/gpu.py --budget-s "$BUDGET_S" --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu-bench.log"
 echo "tests/gpu rc=$rc; bench rc=${PIPESTATUS[0]}"
 exit "$rc"

@@ -48,11 +48,11 @@ def delayed_copies(monkeypatch):
             torch.cuda._sleep(DELAY)
         return snap(plan, tensors, stream, start)
 
-    def late_enqueue(self, pairs, start):
+    def late_enqueue(self, pairs, start, *more, **kw):
         for dev in {src.get_device() for _, src in pairs}:
             with torch.cuda.device(dev), torch.cuda.stream(self.stream(dev)):
                 torch.cuda._sleep(DELAY)
-        return enqueue(self, pairs, start)
+        return enqueue(self, pairs, start, *more, **kw)
 
     monkeypatch.setattr(device_snapshot, "snap", late_snap)
     monkeypatch.setattr(cuda_mod.CudaCopier, "enqueue", late_enqueue)

@@ -187,3 +187,19 @@ def test_a_flipped_byte_in_a_state_tree_name_is_caught_by_the_sidecars_own_diges
     _json.loads(open(path, "rb").read())
     with pytest.raises(CorruptCheckpointError, match="own digest"):
         read_sidecar(path)
+
+
+def test_hash_threads_follow_the_cores_unless_the_environment_sets_them(monkeypatch):
+    from incluster.format import checksum
+
+    monkeypatch.delenv("INCLUSTER_HASH_THREADS", raising=False)
+    monkeypatch.setattr(checksum, "core_share", lambda: 16)
+    assert checksum.hash_threads() == 8
+    monkeypatch.setattr(checksum, "core_share", lambda: 3)
+    assert checksum.hash_threads() == 2
+    monkeypatch.setenv("INCLUSTER_HASH_THREADS", "12")
+    assert checksum.hash_threads() == 12
+    for bad in ("0", "twelve", "-3", "1e3"):
+        monkeypatch.setenv("INCLUSTER_HASH_THREADS", bad)
+        with pytest.raises(ValueError, match="INCLUSTER_HASH_THREADS"):
+            checksum.hash_threads()

@@ -7,7 +7,7 @@ code releases the GIL, so hashing runs beside the trainer's Python thread.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +30,27 @@ def core_share() -> int:
     return max(1, cores // local)
 
 
+def env_int(name: str, default: int, lo: int = 1, hi: int = 1 << 20) -> int:
+    """An integer tuning variable from the environment, ``default`` where unset; a value
+    that is not an integer in [lo, hi] is an error naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={raw!r}: expected an integer from {lo} to {hi}; unset it for the default ({default})")
+    return value
+
+
 def hash_threads() -> int:
     """Threads that hash one shard: half this rank's share of the node's cores, at least
     2 and at most 8, so a commit keeps up with a device-to-host copy (~55 GB/s) without
-    starving the trainers."""
-    return max(2, min(8, core_share() // 2))
+    starving the trainers; ``INCLUSTER_HASH_THREADS`` sets it (the writer process reads
+    it when it starts)."""
+    return env_int("INCLUSTER_HASH_THREADS", max(2, min(8, core_share() // 2)), 1, 256)
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -111,6 +127,30 @@ def compute(buf: Any, size: int | None = None, chunk: int = DEFAULT_CHUNK) -> Ch
     finally:
         view.release()
     return Checksum(size=n, chunk=chunk, digests=tuple(digests))
+
+
+class Frontier:
+    """Hash the ``chunk``-byte pieces of a buffer that is still being filled, each on the
+    pool as soon as every byte below its end has landed: the hashing overlaps the copies
+    in (a device-to-host drain, or copies into a slot) instead of following them."""
+
+    def __init__(self, buf: Any, size: int, chunk: int = DEFAULT_CHUNK) -> None:
+        self.view, self.size, self.chunk = memoryview(buf).cast("B"), size, chunk
+        self.futures: list[Future[str]] = []
+
+    def advance(self, upto: int) -> None:
+        """Every byte below ``upto`` is in: hash each chunk that ends at or below it."""
+        pool, chunk = _executor(), self.chunk
+        while len(self.futures) * chunk < self.size and min(self.size, (len(self.futures) + 1) * chunk) <= upto:
+            k = len(self.futures)
+            self.futures.append(pool.submit(_digest, self.view[k * chunk : min(self.size, (k + 1) * chunk)]))
+        if self.size == 0 and not self.futures:
+            self.futures.append(pool.submit(_digest, self.view[0:0]))
+
+    def digests(self) -> tuple[str, ...]:
+        """Every chunk's digest (all bytes are in: hashes what is left, then waits)."""
+        self.advance(self.size)
+        return tuple(f.result() for f in self.futures)
 
 
 def _mismatch(where: str, expected: Checksum, i: int) -> CorruptCheckpointError:

@@ -177,8 +177,13 @@ class CudaCopier:
         self,
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         start: dict[int, torch.cuda.Event],
+        marks: list[tuple[int, torch.cuda.Event]] | None = None,
+        mark_every: int = 64 << 20,
     ) -> list[tuple[int, torch.cuda.Event]]:
-        """Enqueue ``dst.copy_(src)`` for GPU sources; returns (device, done event) per device."""
+        """Enqueue ``dst.copy_(src)`` for GPU sources; returns (device, done event) per device.
+        ``marks`` (a state on one GPU): filled with (i, event) after every ``mark_every``
+        bytes, the event recorded once ``pairs[i]`` and every pair before it are copied, so
+        the host can hash what has landed while the rest is still on its way."""
         by_dev: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
             by_dev.setdefault(src.get_device(), []).append((dst, src))
@@ -192,11 +197,21 @@ class CudaCopier:
                 stream.wait_stream(torch.cuda.current_stream(dev))
             # The device first: a stream context alone, on a thread whose current device is
             # another, sets that device back on exit - a context made on GPU 0 (CUDA 12).
+            one = marks is not None and len(by_dev) == 1
+            since = 0
             with torch.cuda.device(dev), torch.cuda.stream(stream):
-                for dst, src in items:
+                for i, (dst, src) in enumerate(items):
                     dst.copy_(src, non_blocking=True)
+                    since += dst.nbytes
+                    if one and since >= mark_every and i + 1 < len(items):
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                        marks.append((i, ev))  # type: ignore[union-attr]
+                        since = 0
                 end = torch.cuda.Event()
                 end.record(stream)
+            if one:
+                marks.append((len(items) - 1, end))  # type: ignore[union-attr]
             done.append((dev, end))
         return done
 

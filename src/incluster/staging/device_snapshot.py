@@ -36,14 +36,16 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from incluster.format.checksum import checksum_pool, digest
+from incluster.format.checksum import Frontier, env_int
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.layout import Layout
 
 log = logging.getLogger("incluster")
 SMALL_CPU = 1 << 20  # CPU tensors up to this size are cloned at the start of staging
-PIECE = 16 << 20  # bytes per device-to-host copy of the drain (~0.3 ms over PCIe 5)
-WINDOW = 2  # drain copies in flight at once
+# Bytes per device-to-host copy of the drain (~0.3 ms over PCIe 5), and such copies in
+# flight at once; read when the process starts (the writer's, for gpu_drain="writer").
+PIECE = env_int("INCLUSTER_DRAIN_PIECE_MIB", 16, 1, 4096) << 20
+WINDOW = env_int("INCLUSTER_DRAIN_WINDOW", 2, 1, 64)
 GiB = 2**30
 
 
@@ -280,17 +282,10 @@ def copy_out(
     The pieces exist so hashing can start while the drain goes on. (They do not spare a
     training loop's ``loss.item()`` the wait for a drain its own process enqueued:
     ``bench/gpu_overlap.py``; hence :mod:`incluster.staging.remote_drain`.)"""
-    size = slot_buf.numel()
-    view = memoryview(slot_buf.numpy())  # type: ignore[arg-type]
-    pool = checksum_pool()
-    futures: list[Future[str]] = []
+    front = Frontier(slot_buf.numpy(), slot_buf.numel(), chunk)
     flight: deque[tuple[int, Any]] = deque()
     done_to = lo  # every byte below this is in the slot
-
-    def advance(upto: int) -> None:
-        while len(futures) * chunk < size and min(size, (len(futures) + 1) * chunk) <= upto:
-            k = len(futures)
-            futures.append(pool.submit(digest, view[k * chunk : min(size, (k + 1) * chunk)]))
+    advance = front.advance
 
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for a, b in runs:
@@ -307,7 +302,7 @@ def copy_out(
     while flight:
         done_to, ev = flight.popleft()
         ev.synchronize()
-    advance(size)
+    advance(front.size)
     if copied is not None:
         copied()
-    return futures
+    return front.futures

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from incluster.format.checksum import DEFAULT_CHUNK, compute
+from incluster.format.checksum import DEFAULT_CHUNK, Frontier
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.layout import Layout, LayoutCache
 from incluster.staging.slots import Slot, SlotRing, allocated
@@ -59,6 +59,10 @@ class StageJob:
     persist: bool | None = None  # save(persist=): CommitRequest.persist
     digests: list[str] | tuple[str, ...] | None = None  # the shard's chunk digests, if hashed here
     drain: tuple[int, int, tuple[tuple[int, int], ...]] | None = None  # left to the writer (CommitRequest.drain)
+    # Direct copies of a state on one GPU: (i, event) once GPU copies 0..i have landed, and
+    # per i the offset below which every byte is then in the slot (see hash_behind)
+    marks: list[tuple[int, Any]] = field(default_factory=list)
+    mark_starts: list[int] = field(default_factory=list)
 
     def mark_staged(self) -> None:
         """The state may change from now on (its bytes are out, or in the device snapshot)."""
@@ -68,6 +72,25 @@ class StageJob:
             self.staged.set_result(None)
         except InvalidStateError:
             pass  # already resolved (or failed by another thread): nothing to add
+
+
+def landed_below(base: Any, dsts: list[torch.Tensor], size: int) -> list[int]:
+    """Per GPU copy ``i`` (into ``dsts[i]``, a view of the slot ``base``): the lowest file
+    offset a later copy writes, i.e. once copies 0..i have landed (and every CPU copy and
+    the header, done before the hashing starts) every byte below it is in the slot."""
+    out, low = [0] * len(dsts), size
+    origin = base.data_ptr()
+    for i in range(len(dsts) - 1, -1, -1):
+        out[i] = low
+        low = min(low, dsts[i].data_ptr() - origin)
+    return out
+
+
+def hash_behind(front: Frontier, marks: list[tuple[int, Any]], starts: list[int]) -> None:
+    """Wait for each mark in turn (in stream order), hashing every chunk that is then in."""
+    for i, ev in marks:
+        ev.synchronize()
+        front.advance(starts[i])
 
 
 @torch.no_grad()
@@ -174,8 +197,10 @@ class Stager:
                 after = self._snap(job, flat.tensors, layout, kinds, plan)
         finally:
             job.host_done.set()
-        for _, ev in job.cuda_done:
-            ev.synchronize()
+        pipelined = bool(job.marks) and plan is None and job.slot.buf is not None
+        if not pipelined:
+            for _, ev in job.cuda_done:
+                ev.synchronize()
         if plan is not None:
             # Device-to-device done: the optimizer may step. The drain to the slot follows.
             job.mark_staged()
@@ -198,10 +223,14 @@ class Stager:
                 job.digests = drain(plan.device, plan.lo, plan.runs, self._device.buf, job.slot.buf, stream,  # type: ignore[arg-type]
                                     DEFAULT_CHUNK)
         elif job.cuda_done and job.slot.buf is not None:
-            # The bytes are in the slot: staged. Hashing them here, in parallel, spares the
-            # writer process a pass (and a first mapping with its page tables) per slot.
-            job.mark_staged()
-            job.digests = compute(job.slot.buf.numpy(), layout.total_size, DEFAULT_CHUNK).digests
+            # Hashing here, in parallel, spares the writer process a pass (and a first
+            # mapping with its page tables) per slot; each chunk as soon as the copies have
+            # passed it, so the hashing overlaps the copy instead of following it.
+            front = Frontier(job.slot.buf.numpy(), layout.total_size, DEFAULT_CHUNK)
+            if pipelined:
+                hash_behind(front, job.marks, job.mark_starts)
+            job.mark_staged()  # every byte is in the slot
+            job.digests = front.digests()
         flat.tensors = []  # the bytes are in the slot now; let go of the live tensors
 
     def pin_for(self, gpu_tensor: torch.Tensor) -> None:
@@ -236,7 +265,8 @@ class Stager:
             from incluster.staging import cuda
 
             cuda.register(job.slot, self.cuda_device)
-            job.cuda_done = self._copier().enqueue(gpu, job.cuda_start)
+            job.cuda_done = self._copier().enqueue(gpu, job.cuda_start, job.marks)
+            job.mark_starts = landed_below(job.slot.buf, [d for d, _ in gpu], job.slot.size)
         self._copy_small(small_dst, small_src)
         for dst, src in large:
             dst.copy_(src)
