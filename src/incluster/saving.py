@@ -461,7 +461,8 @@ class SavePipeline:
     def _warm(self, layout: Any) -> None:
         """Staging thread, off the training path: create the slots the ring still lacks and
         make every free one ready for ``layout`` (sized, mapped, headed, page-locked when
-        saves are on a GPU). Slots holding a committed step are left as they are."""
+        saves are on a GPU). Slots holding a committed step keep their bytes; the one the
+        next save takes is only mapped (and page-locked)."""
         try:
             if self.ring.grow_back(layout.total_size):
                 log.info("incluster: rank %d: the RAM disk has room again for a checkpoint slot; keeping %d of the %d "
@@ -470,6 +471,11 @@ class SavePipeline:
                 pass
             for slot in self.ring.free_slots():
                 self._stager.ready(slot, layout)
+            # After a restart every slot may hold a step: the one the next save takes over
+            # is mapped (and page-locked) now, not on that save's path.
+            ahead = self.ring.next_taken(layout.total_size)
+            if ahead is not None:
+                self._stager.map_ahead(ahead, layout.total_size)
         except Exception as exc:  # noqa: BLE001 - warming is an optimisation only
             if self._fit_ring(exc, layout.total_size):
                 return

@@ -92,6 +92,58 @@ def test_load_prepares_the_slots_so_the_first_save_maps_nothing(local_dir):
         assert _maps(ck) == maps
 
 
+def test_after_a_restart_with_every_slot_holding_a_step_the_one_the_next_save_takes_is_mapped_ahead(local_dir):
+    """keep=2, two steps saved: after the restart no slot is free. The slot of the older
+    step is mapped in the background (its bytes left alone: that step still verifies), so
+    the first save maps nothing on its path."""
+    from incluster.tiers.local import ShardReader
+
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    train(m, o, 1)
+    state = {"model": m, "optim": o}
+    with _ckpt(local_dir, keep=2) as ck:
+        for step in (1, 2):
+            train(m, o, 1)
+            ck.save(step, state).wait()
+        folder = ck.folder
+    with _ckpt(local_dir, keep=2) as ck:  # a restart
+        assert ck.load(state) == 2
+        ck._stage_pool.submit(lambda: None).result(30)
+        assert not ck.ring.free_slots()
+        ahead = {s.step: s for s in ck.ring.slots}
+        assert ahead[1].buf is not None and ahead[1].maps == 1, "the slot the next save takes was not mapped"
+        assert ahead[2].buf is None  # the newest step's slot is not the next save's
+        with ShardReader(folder, 1):  # checksum verified: the mapping wrote nothing
+            pass
+        maps = _maps(ck)
+        train(m, o, 1)
+        ck.save(3, state).wait()
+        assert _maps(ck) == maps, "the first save after the restart mapped its slot on its own path"
+        with ShardReader(folder, 3), ShardReader(folder, 2):
+            pass
+
+
+def test_a_step_of_another_size_is_not_mapped_ahead(local_dir):
+    """The next save's state is larger than the step the slot holds: that file is left
+    exactly as it is (mapping it would mean resizing a committed step)."""
+    import os
+
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    state = {"model": m, "optim": o}
+    with _ckpt(local_dir, keep=2) as ck:
+        for step in (1, 2):
+            ck.save(step, state).wait()  # no optimizer state yet: small shards
+        folder = ck.folder
+    train(m, o, 1)  # AdamW's state appears: this run's shard is larger
+    sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
+    with _ckpt(local_dir, keep=2) as ck:
+        ck.prepare(state).result(30)
+        assert all(s.buf is None for s in ck.ring.slots)
+        assert {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)} == sizes
+
+
 def test_an_empty_load_does_not_touch_the_state(local_dir):
     """Nothing to restore: no state_dict() is called (torch's get_optimizer_state_dict steps
     a fresh optimizer once to create its state, which would change training)."""

@@ -327,6 +327,15 @@ class Stager:
 
             cuda.register(slot, self.cuda_device)
 
+    def map_ahead(self, slot: Slot, size: int) -> None:
+        """Map (and page-lock when ``pin``) a slot still holding a committed step at its own
+        size: no byte of it is written; the save that takes it writes its header."""
+        self.ring.prepare(slot, size)
+        if self.pin:
+            from incluster.staging import cuda
+
+            cuda.register(slot, self.cuda_device)
+
     def _devices(self) -> Any:
         if self._device is None:
             from incluster.staging.device_snapshot import DeviceSnapshots

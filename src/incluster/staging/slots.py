@@ -247,6 +247,23 @@ class SlotRing:
             self._cond.notify_all()
             return s
 
+    def next_taken(self, size: int) -> Slot | None:
+        """The committed slot the next save() takes over (the ring full, none free), its
+        file opened (never created) when it is ``size`` bytes and not mapped yet: mapped
+        ahead after a restart, its step's bytes untouched until that save."""
+        with self._cond:
+            if len(self.slots) < self.keep or any(s.state is SlotState.FREE and not s.uploading for s in self.slots):
+                return None
+            s = self._pick()
+            if s is None or s.buf is not None or s.state is not SlotState.COMMITTED:
+                return None
+            try:
+                fd = s.fd if s.fd >= 0 else os.open(s.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            except OSError:
+                return None
+            s.fd = fd
+            return s if os.fstat(fd).st_size == size else None
+
     def newest_step(self) -> int:
         """The newest step a slot holds (saved, or being saved), -1 when none: save() takes only newer."""
         return max((s.step for s in self.slots if s.step is not None), default=-1)
