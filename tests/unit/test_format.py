@@ -193,9 +193,11 @@ def test_hash_threads_follow_the_cores_unless_the_environment_sets_them(monkeypa
     from incluster.format import checksum
 
     monkeypatch.delenv("INCLUSTER_HASH_THREADS", raising=False)
-    monkeypatch.setattr(checksum, "core_share", lambda: 16)
-    assert checksum.hash_threads() == 8
-    monkeypatch.setattr(checksum, "core_share", lambda: 3)
+    monkeypatch.setattr(checksum, "core_share", lambda: 64)
+    assert checksum.hash_threads() == 16
+    monkeypatch.setattr(checksum, "core_share", lambda: 12)
+    assert checksum.hash_threads() == 12
+    monkeypatch.setattr(checksum, "core_share", lambda: 1)
     assert checksum.hash_threads() == 2
     monkeypatch.setenv("INCLUSTER_HASH_THREADS", "12")
     assert checksum.hash_threads() == 12

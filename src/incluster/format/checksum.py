@@ -46,11 +46,14 @@ def env_int(name: str, default: int, lo: int = 1, hi: int = 1 << 20) -> int:
 
 
 def hash_threads() -> int:
-    """Threads that hash one shard: half this rank's share of the node's cores, at least
-    2 and at most 8, so a commit keeps up with a device-to-host copy (~55 GB/s) without
-    starving the trainers; ``INCLUSTER_HASH_THREADS`` sets it (the writer process reads
-    it when it starts)."""
-    return env_int("INCLUSTER_HASH_THREADS", max(2, min(8, core_share() // 2)), 1, 256)
+    """Threads that hash one shard: this rank's share of the node's cores, at least 2 and
+    at most 16, so the hashing keeps up with a device-to-host drain (~55 GB/s). On the
+    H200 host (16 cores, 4.5 GiB drained) a step was durable in 133 ms with 16, 166 ms
+    with 8 and 300 ms with 4 (the writer then fell behind and saves waited), the loop's
+    inflation alike with 8 and 16 (docs/measured/gpu-h200-run4.json). The threads work
+    only while a save is hashed. ``INCLUSTER_HASH_THREADS`` sets it (the writer process
+    reads it when it starts)."""
+    return env_int("INCLUSTER_HASH_THREADS", max(2, min(16, core_share())), 1, 256)
 
 
 def _executor() -> ThreadPoolExecutor:

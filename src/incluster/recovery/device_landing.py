@@ -8,8 +8,9 @@ buffer is reused once its copy's event has fired, so host memory stays at most
 the state is ever made. Page-locked memory is slow to allocate (0.4-0.66 s per GiB on
 the H200 host, ``pinned_alloc_s`` in ``docs/measured/gpu-h200*.json``): a pool made whole
 before the first read put 512 MiB of it on the restore's path (the first restore of a
-process took 410 / 747 ms, the next 235 / 290 ms). So buffers are small and made only
-when a reader finds none free; the pool is kept for the process's later restores.
+process took 410 / 747 ms, the next 235 / 290 ms). So buffers are made only when a
+reader finds none free (see ``BOUNCE`` for their size); the pool is kept for the
+process's later restores (at most 2 per reading thread: 512 MiB with 16).
 
 Used by :func:`incluster.recovery.landing.read_verified` for segments whose target is a
 CUDA tensor; CPU-only runs never import CUDA through it. The same pipeline runs with a
@@ -24,9 +25,12 @@ from typing import Any
 
 import torch
 
-# Bytes per bounce buffer: ~75 us of PCIe at 55 GB/s per copy, far above a copy's fixed
-# cost of a few microseconds; small, so allocating one holds a reader up ~2 ms, not ~10.
-BOUNCE = 4 << 20
+# Bytes per bounce buffer (~0.3 ms of PCIe at 55 GB/s per copy). On the H200 host,
+# restores of 4.5 GiB with 16 MiB buffers (a pool made whole first) took 235-290 ms after
+# the first; with 4 MiB ones made as needed, 475-637 ms: each buffer costs a handful of
+# CUDA calls under the GIL, and 16 readers queue on it. Making one 16 MiB buffer takes
+# ~10 ms (0.6 s per GiB page-locked); that is paid once per buffer, by the first restore.
+BOUNCE = 16 << 20
 
 
 class _Buf:
