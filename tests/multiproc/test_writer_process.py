@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -144,6 +146,41 @@ def test_a_writer_whose_first_start_fails_is_started_again_and_saves_land(local_
     target = {"w": torch.zeros(10)}
     with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
         assert ck.load(target) == 2 and torch.equal(target["w"], torch.full((10,), 2.0))
+
+
+class _GatedLock:
+    """The writer's lock, but the test thread takes it only once the start has failed:
+    the moment between a look at the writer and the lock, made long."""
+
+    def __init__(self, lock, started):
+        self.lock, self.started, self.thread = lock, started, threading.current_thread()
+
+    def __enter__(self):
+        if threading.current_thread() is self.thread:
+            with contextlib.suppress(Exception):
+                self.started.exception(60)
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_a_failed_save_told_while_the_writer_start_fails_still_reaches_the_other_ranks(local_dir, monkeypatch):
+    """fail() while the first writer is still starting, its start failing just then: the
+    other ranks hear of the step from this process (never a FAIL left in a socket the dead
+    writer never reads, which would leave them waiting slot_timeout_s)."""
+    faults = FaultInjector().fail_at(phase="writer-start", step=0, action="slow", seconds=1.5)  # then it fails
+    monkeypatch.setenv(*next(iter(faults.fail_at(phase="writer-start", step=0).env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        w = ck._writer
+        assert not w._started.done()
+        told: list[int] = []
+        w._publish_failed = lambda step, reason, seq: told.append(step)
+        w._send = lambda msg: None  # a send into a socket nobody reads: "succeeds"
+        w._lock = _GatedLock(w._lock, w._started)
+        w.fail(7, "save() raised on rank 0", (-1, 0, 0))
+        assert w.dead is not None
+        assert told == [7]
 
 
 def test_a_save_in_flight_when_the_writer_dies_fails_and_the_next_one_lands(local_dir, monkeypatch):

@@ -183,11 +183,16 @@ class ProcessWriter:
         return local, outcome
 
     def fail(self, step: int, reason: str, seq: tuple[int, int, int] | None = None) -> None:
-        if self._dead is None:
+        # Under the lock the start's failure sets ``_dead`` and takes the early fails: a
+        # FAIL is either among those (told from here should the start fail) or sent to a
+        # writer known alive, or - the writer gone - told from here. Read outside the lock,
+        # a start failing in between left it to a send that may land in a dead socket.
+        with self._lock:
+            dead = self._dead
+            if dead is None and not self._started.done():
+                self._early_fails.append((step, reason, seq))
+        if dead is None:
             try:
-                with self._lock:
-                    if not self._started.done():  # told again from here should the start fail
-                        self._early_fails.append((step, reason, seq))
                 self._send(Message(Kind.FAIL, self.gen, step=step, error=reason, payload=seq))
                 return
             except OSError:
