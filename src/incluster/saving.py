@@ -404,6 +404,8 @@ class SavePipeline:
                 self._announce("gone" if done else f"restarting {self._writer_restarts + 1}")
                 raise
             old.close(1.0)
+            for folder, step in getattr(old, "unsent_replicates", ()):  # a restored step's replicas
+                self._writer.replicate(folder, step)
             return self._writer
 
     def _writer_answered(self) -> None:

@@ -183,6 +183,34 @@ def test_a_failed_save_told_while_the_writer_start_fails_still_reaches_the_other
         assert told == [7]
 
 
+def test_replicas_asked_of_a_writer_whose_start_fails_are_asked_of_its_successor(local_dir, monkeypatch):
+    """load() asks the writer to re-send the restored step's replicas while it may still be
+    starting; a start that fails then never read the request, so the next writer gets it
+    (the partners would otherwise miss the restored step's copies until a later save)."""
+    from incluster.writer.process import ProcessWriter
+
+    faults = FaultInjector().fail_at(phase="writer-start", step=0, action="slow", seconds=1.5)  # then it fails
+    monkeypatch.setenv(*next(iter(faults.fail_at(phase="writer-start", step=0).env().items())))
+    asked: list[tuple[object, str, int]] = []
+    replicate = ProcessWriter.replicate
+
+    def record(self, folder, step):
+        asked.append((self, folder, step))
+        return replicate(self, folder, step)
+
+    monkeypatch.setattr(ProcessWriter, "replicate", record)
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        first = ck._writer
+        assert not first._started.done()
+        first.replicate(ck.folder, 3)
+        deadline = time.monotonic() + 30
+        while len(asked) < 2:
+            assert time.monotonic() < deadline, f"the successor was never asked: {asked}"
+            time.sleep(0.05)
+        assert asked[1] == (ck._writer, ck.folder, 3) and ck._writer is not first
+        assert ck._writer.dead is None
+
+
 def test_a_save_in_flight_when_the_writer_dies_fails_and_the_next_one_lands(local_dir, monkeypatch):
     monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="commit", step=2, action="kill").env().items())))
     with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:

@@ -96,6 +96,10 @@ class ProcessWriter:
         self.drain_listener: Any = None  # staging.remote_drain.RemoteDrain (gpu_drain="writer")
         self._started: Future[None] = Future()
         self._early_fails: list[tuple[int, str, tuple[int, int, int] | None]] = []  # sent before it answered
+        self._early_replicates: list[tuple[str, int]] = []  # likewise
+        # REPLICATE requests this writer never read (it died starting, or could not be
+        # sent): its successor is sent them (Checkpointer._live_writer)
+        self.unsent_replicates: list[tuple[str, int]] = []
         self._send(Message(Kind.HELLO, self.gen, payload=params))
         if wait:
             try:
@@ -130,6 +134,7 @@ class ProcessWriter:
         threading.Thread(target=self._watch, name="incluster-writer-watch", daemon=True).start()
         with self._lock:
             self._early_fails = []  # the writer takes them, in order, behind the greeting
+            self._early_replicates = []
         self._started.set_result(None)
 
     def _handshake_behind(self, timeout: float) -> None:
@@ -226,11 +231,24 @@ class ProcessWriter:
             pass  # a dead writer: close() reports the upload as not made
 
     def replicate(self, folder: str, step: int) -> None:
-        """Re-send ``step``'s replicas in the background (after a restore)."""
+        """Re-send ``step``'s replicas in the background (after a restore). One this writer
+        never reads (it dies starting, or the send fails) goes to its successor."""
+        with self._lock:
+            dead = self._dead
+            if dead is None and not self._started.done():
+                self._early_replicates.append((folder, step))
+            elif dead is not None:
+                self._unsent((folder, step))
+                return
         try:
             self._send(Message(Kind.REPLICATE, self.gen, step=step, payload=folder))
         except OSError:
-            pass  # a dead writer is reported by the next save
+            with self._lock:
+                self._unsent((folder, step))
+
+    def _unsent(self, req: tuple[str, int]) -> None:
+        if req not in self.unsent_replicates:
+            self.unsent_replicates.append(req)
 
     def _watch(self) -> None:
         """A writer that sends nothing, not even its heartbeat, for ``STALL_S`` while it
@@ -337,6 +355,10 @@ class ProcessWriter:
                 return
             self._dead = err
             pending, self._pending = self._pending, {}
+            if not self._started.done():  # died starting: it read nothing sent behind HELLO
+                for req in self._early_replicates:
+                    self._unsent(req)
+                self._early_replicates = []
         self._gone.set()
         for local, outcome in pending.values():
             for f in (local, outcome):
