@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import errno
 import functools
@@ -69,6 +70,26 @@ def _spawner() -> ThreadPoolExecutor:
             _spawn_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-spawn")
         return _spawn_pool
 
+
+
+def own_error(err: BaseException, step: int) -> BaseException:
+    """``err`` for step ``step`` alone: one error shared by several steps (a writer's death
+    fails every save it held) is copied for each after the first, so a note added to one
+    step's error (wait() naming the later failures) never shows on another's."""
+    owner = getattr(err, "incluster_step", None)
+    if owner is None or owner == step:
+        with contextlib.suppress(AttributeError, TypeError):
+            err.incluster_step = step  # type: ignore[attr-defined]
+        return err
+    try:
+        dup = copy.copy(err)
+    except Exception:  # noqa: BLE001 - an exception that cannot be rebuilt is shared as it is
+        return err
+    dup.__dict__.update({k: list(v) for k, v in err.__dict__.items() if k == "__notes__"})
+    dup.incluster_step = step  # type: ignore[attr-defined]
+    dup.__cause__, dup.__context__ = err.__cause__, err.__context__
+    dup.__suppress_context__ = err.__suppress_context__
+    return dup.with_traceback(err.__traceback__)
 
 class SavePipeline:
     """Mixin of :class:`~incluster.checkpointer.Checkpointer`: what happens to a save
@@ -340,6 +361,7 @@ class SavePipeline:
 
     def _tell_failed(self, job: StageJob, handle: SaveHandle, err: BaseException) -> None:
         """Report ``job.step`` as not durable: the event, wait()'s error, the handle."""
+        err = own_error(err, job.step)
         self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
         with self._lock:
             self._errors.append((handle, err))

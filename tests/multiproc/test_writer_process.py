@@ -227,6 +227,27 @@ def test_a_save_in_flight_when_the_writer_dies_fails_and_the_next_one_lands(loca
         assert ck.load(target) == 3 and torch.equal(target["w"], torch.full((10,), 3.0))
 
 
+def test_saves_lost_with_one_writer_each_have_their_own_error(local_dir, monkeypatch):
+    """Steps 2 and 3 are in flight when the writer is SIGKILLed: each handle raises its own
+    error, and the note wait() adds (naming step 3) lands on step 2's error alone, once."""
+    faults = FaultInjector().fail_at(phase="commit", step=2, action="slow", seconds=1.0)  # then it is killed
+    monkeypatch.setenv(*next(iter(faults.fail_at(phase="commit", step=2, action="kill").env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w", keep=3) as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait()
+        h2 = ck.save(2, {"w": torch.full((10,), 2.0)})
+        h3 = ck.save(3, {"w": torch.full((10,), 3.0)})
+        with pytest.raises(incluster.WriterProcessDied) as raised:
+            ck.wait(60)
+        e2, e3 = h2.durable.exception(60), h3.durable.exception(60)
+        assert isinstance(e2, incluster.WriterProcessDied) and isinstance(e3, incluster.WriterProcessDied)
+        assert raised.value is e2 and e3 is not e2
+        notes2, notes3 = getattr(e2, "__notes__", []), getattr(e3, "__notes__", [])
+        assert sum("later save(s) failed too" in n for n in notes2) == 1, notes2
+        assert not any("later save(s)" in n for n in notes3), notes3
+        assert str(e2) == str(e3)  # the same death, told alike
+        monkeypatch.delenv("INCLUSTER_FAULTS")
+
+
 def test_a_step_the_writer_committed_before_it_died_stays_durable(local_dir, monkeypatch):
     """SIGKILL after the writer committed step 2 (renamed, sidecar written, counted) but
     before it told the trainer: the step is whole on disk, so it is durable - not
