@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "for_package",
 ]
 
+log = logging.getLogger("incluster")
 _NAMES = ("InclusterDDPStrategy", "InclusterFSDPStrategy", "InclusterModelParallelStrategy")
 
 
@@ -64,6 +66,7 @@ class _CheckpointHooks:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         require_strategy(trainer.strategy, _NAMES)
         self._trainer = weakref.ref(trainer)
+        say_other_checkpointing(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Right after the optimizer step (global_step just advanced): the same point at which
@@ -126,6 +129,22 @@ class _CheckpointHooks:
         if self._pending_rng is not None:
             RngState().load_state_dict(self._pending_rng)
             self._pending_rng = None
+
+
+def say_other_checkpointing(trainer: Any) -> None:
+    """Lightning's own ``ModelCheckpoint`` (on by default: ``enable_checkpointing=True``)
+    writes full ``.ckpt`` files beside incluster's saves, with the training loop blocked
+    while each is written: said once per trainer, on rank 0, with the fix."""
+    others = [cb for cb in getattr(trainer, "checkpoint_callbacks", None) or []
+              if not getattr(cb, "_incluster_saves", False)]
+    if not others or getattr(trainer, "_incluster_said_other", False) or not getattr(trainer, "is_global_zero", True):
+        return
+    trainer._incluster_said_other = True
+    where = ", ".join(sorted({str(getattr(cb, "dirpath", None) or "the default checkpoints folder") for cb in others}))
+    log.warning(
+        "incluster: Lightning's %s also saves full checkpoints (%s), blocking training while each is written; "
+        "pass Trainer(enable_checkpointing=False) to checkpoint through incluster only (keep it only if you "
+        "also want those files)", ", ".join(sorted({type(cb).__name__ for cb in others})), where)
 
 
 def _refuse_a_fit_behind_its_job(trainer: Any, every: int, save_last: bool) -> None:
