@@ -91,7 +91,9 @@ def file_register(folder: str, step: int, state: dict[str, torch.Tensor]) -> dic
     from incluster.staging.cuda import host_register, host_unregister
     from incluster.tiers.local import open_shard
 
-    fd, sc, header, _ = open_shard(folder, step)
+    ro, sc, header, path = open_shard(folder, step)
+    os.close(ro)
+    fd = os.open(path, os.O_RDWR)  # page-locking a mapping needs it writable (or cudaHostRegisterReadOnly)
     out: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()
