@@ -71,7 +71,6 @@ def _spawner() -> ThreadPoolExecutor:
         return _spawn_pool
 
 
-
 def own_error(err: BaseException, step: int) -> BaseException:
     """``err`` for step ``step`` alone: one error shared by several steps (a writer's death
     fails every save it held) is copied for each after the first, so a note added to one
@@ -90,6 +89,7 @@ def own_error(err: BaseException, step: int) -> BaseException:
     dup.__cause__, dup.__context__ = err.__cause__, err.__context__
     dup.__suppress_context__ = err.__suppress_context__
     return dup.with_traceback(err.__traceback__)
+
 
 class SavePipeline:
     """Mixin of :class:`~incluster.checkpointer.Checkpointer`: what happens to a save

@@ -285,7 +285,6 @@ def copy_out(
     front = Frontier(slot_buf.numpy(), slot_buf.numel(), chunk)
     flight: deque[tuple[int, Any]] = deque()
     done_to = lo  # every byte below this is in the slot
-    advance = front.advance
 
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for a, b in runs:
@@ -298,11 +297,11 @@ def copy_out(
                 while len(flight) > WINDOW:
                     done_to, first = flight.popleft()
                     first.synchronize()
-                    advance(done_to)
+                    front.advance(done_to)
     while flight:
         done_to, ev = flight.popleft()
         ev.synchronize()
-    advance(front.size)
+    front.advance(front.size)
     if copied is not None:
         copied()
     return front.futures
