@@ -32,6 +32,9 @@ every table (and stored in the JSON); compare runs made at load below the core c
     python bench/save_overhead.py                     # 512M,2G; a few minutes
     python bench/save_overhead.py --quick             # small sizes, a smoke run
     python bench/save_overhead.py --sizes 1G --repeats 7 --json out.json
+    # plain tensors no optimizer steps, which save() itself copies (opt-in systems):
+    python bench/save_overhead.py --sizes 256M --shapes few \
+        --systems incluster.plain,incluster.plain.prep,dcp.async,dcp.async.kept
 """
 
 from __future__ import annotations
@@ -173,6 +176,36 @@ def run_incluster(state: dict[str, torch.Tensor], root: str, repeats: int, gap: 
     return samples
 
 
+def run_incluster_plain(state: dict[str, torch.Tensor], root: str, repeats: int, gap: float,
+                        prepare: bool = False) -> list[Sample]:
+    """The state as plain tensors no optimizer steps (EMA weights, say): save() copies
+    them itself (up to 256 MiB) into memory reused from save to save; ``prepare``: made
+    ahead by ckpt.prepare(state), so even the first save only copies."""
+    import incluster
+
+    samples = []
+    ckpt = incluster.Checkpointer(local_dir=root, job="bench", keep=2, **INCLUSTER_OPTIONS)
+    try:
+        if prepare:
+            ckpt.prepare(state).result(WAIT_S)
+        for step in range(1 + repeats):
+            mutate(state, step)
+            t0 = time.perf_counter()
+            h = ckpt.save(step, state)
+            t1 = time.perf_counter()
+            h.wait(WAIT_S)
+            off = h.started - t0
+            samples.append(Sample(blocked=t1 - t0, staged=off + (h.staged_s or 0.0), durable=off + (h.durable_s or 0.0)))
+            time.sleep(gap)
+    finally:
+        ckpt.close()
+    return samples
+
+
+def run_incluster_plain_prepared(state: dict[str, torch.Tensor], root: str, repeats: int, gap: float) -> list[Sample]:
+    return run_incluster_plain(state, root, repeats, gap, prepare=True)
+
+
 def run_torch_save(state: dict[str, torch.Tensor], root: str, repeats: int, gap: float) -> list[Sample]:
     samples, prev = [], None
     for step in range(1 + repeats):
@@ -307,6 +340,8 @@ Runner = Callable[[dict[str, torch.Tensor], str, int, float], list[Sample]]
 SYSTEMS: dict[str, tuple[Runner, str, bool]] = {
     # key: (runner, description, is a DCP configuration)
     "incluster": (run_incluster, "incluster Checkpointer, keep=2", False),
+    "incluster.plain": (run_incluster_plain, "incluster, plain tensors no optimizer steps (copied in save())", False),
+    "incluster.plain.prep": (run_incluster_plain_prepared, "incluster, the same after ckpt.prepare(state)", False),
     "torch.save": (run_torch_save, "torch.save to /dev/shm", False),
     "dcp.save": (run_dcp_save, "dcp.save, default writer", True),
     "dcp.save.t2": (run_dcp_save_t2, "dcp.save, writer 2 threads no fsync", True),
@@ -318,7 +353,7 @@ SYSTEMS: dict[str, tuple[Runner, str, bool]] = {
         True,
     ),
 }
-DEFAULT_SYSTEMS = list(SYSTEMS)
+DEFAULT_SYSTEMS = [k for k in SYSTEMS if not k.startswith("incluster.plain")]  # opt-in: --systems
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -420,9 +455,9 @@ def print_config(size: int, shape: str, n_tensors: int, floors: Floors, results:
         b, s, d = r.med("blocked"), r.med("staged"), r.med("durable")
         rows.append([r.note, ms(b), ms(r.worst("blocked")), ms(s), ms(d), ratio(b, floor), ratio(s, floor),
                      ratio(d, floor), ratio(d, bd_t)])
-        if r.system == "incluster" and r.samples:
+        if r.system.startswith("incluster") and r.samples:
             fb, fs, fd = r.first("blocked"), r.first("staged"), r.first("durable")
-            rows.append(["  incluster, first save (allocates slot)", ms(fb), "", ms(fs), ms(fd), ratio(fb, floor),
+            rows.append([f"  {r.system}, first save (allocates slot)", ms(fb), "", ms(fs), ms(fd), ratio(fb, floor),
                          ratio(fs, floor), ratio(fd, floor), ratio(fd, bd_t)])
     loads = [r.load_before for r in results if r.load_before is not None]
     print()

@@ -13,6 +13,7 @@ than one rank exists (every rank must call them); save() never is.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -32,7 +33,7 @@ from incluster.catch_up import catch_up
 from incluster.handle import SaveHandle
 from incluster.loading import LoadPipeline
 from incluster.saving import SavePipeline
-from incluster.guard import StepGuard
+from incluster.guard import ClonePool, StepGuard
 from incluster.recovery.restore import RestoreReport
 from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager
@@ -172,6 +173,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
             self._stager.remote_timeout_s = self.config.slot_timeout_s
             self._writer.drain_listener = self._stager.remote  # type: ignore[union-attr]
         self._guard = StepGuard(self._pre_step_hook)  # every optimizer step in the process
+        self._clones = ClonePool()  # save()'s copies of unguarded CPU tensors, reused
         self._unguarded_warned = False
         self._warned_warm = False
         self._shrunk_to: int | None = None
@@ -252,6 +254,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                              f"to the Checkpointer (or set INCLUSTER_PERSISTENT)")
         ordinal, self._saves = self._saves, self._saves + 1  # counted even if it fails: alike on every rank
         prev = self._last_step
+        lent: list[torch.Tensor] = []  # pooled clones this save holds until it is staged
         try:
             try:
                 self._check_usable(peers=False)  # an earlier background error of this rank surfaces here
@@ -272,7 +275,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
                     f"job {self.config.job!r} already holds step {self._held_at_start} on this node from an earlier "
                     f"run, and this run did not call load(): checkpoint steps must increase. Call "
                     f"ckpt.load(state) first to continue the job, or name a new job (job=...) to start afresh")
-            snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers)
+            snap, _, left = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers,
+                                     clone=functools.partial(self._clones.clone, lent=lent))
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)
             try:
@@ -283,12 +287,15 @@ class Checkpointer(SavePipeline, LoadPipeline):
                     f"{exc}; fix its permissions or free room there, or pass another local_dir (the committed "
                     f"steps are intact)") from exc
         except BaseException as exc:
+            self._clones.give_back(lent)
             self._refused(step, exc, (prev, ordinal, self._loads))
             raise
         self._highest = max(self._highest, step)
         self._last_step = step
         job = StageJob(step=step, snap=snap, slot=slot, ordinal=ordinal, prev=prev, timeline=self._loads,
                        lineage=self._lineage, persist=persist)
+        if lent:  # staged (or failed): every byte of them is in the slot, or never will be
+            job.staged.add_done_callback(lambda _: self._clones.give_back(lent))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from incluster.staging import cuda
 
@@ -346,10 +353,18 @@ class Checkpointer(SavePipeline, LoadPipeline):
         page-locked when it is on a GPU - and the device-side snapshot buffer, in the
         background; the first save then only copies. Call it once the state has its full
         shape (after the first optimizer step creates the optimizer's state), overlapped
-        with training. Returns a future that resolves when everything is ready."""
+        with training. Returns a future that resolves when everything is ready. Also makes
+        the reused memory save() copies unguarded CPU tensors into (see ``guard.ClonePool``)."""
         self._check_usable()
-        snap, _, _ = snapshot(state, allow_pickle=self.config.allow_pickle)
-        return self._stage_pool.submit(self._prepare, snap)
+        shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+        def note(t: torch.Tensor) -> torch.Tensor:  # what save() would clone: made, not copied, here
+            if t.device.type == "cpu":
+                shapes.append((t.dtype, tuple(t.shape)))
+            return t
+
+        snap, _, _ = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers, clone=note)
+        return self._stage_pool.submit(self._prepare, snap, clones=(self._clones, shapes))
 
     def record_step(self, step: int) -> None:
         """Mark training progress (cheap, buffered) so goodput reports can tell exactly

@@ -507,10 +507,12 @@ class SavePipeline:
                 self._warned_warm = True
                 log.warning("incluster: could not prepare checkpoint slots ahead of the next save: %s", exc)
 
-    def _prepare(self, snap: Any, device: bool = True) -> None:
+    def _prepare(self, snap: Any, device: bool = True, clones: tuple[Any, list[Any]] | None = None) -> None:
         """Staging thread: ``Checkpointer.prepare`` (``device``: also the device-side
         snapshot buffer; not when ``load()`` prepares, before training has shown how much
-        GPU memory it needs)."""
+        GPU memory it needs; ``clones``: a ClonePool and the shapes to warm in it)."""
+        if clones is not None:
+            clones[0].warm(clones[1])
         flat = self._stager.flattener.flatten(snap)
         layout = self._stager.layouts.get(tuple(flat.specs))
         if device:

@@ -155,13 +155,15 @@ def snapshot(
     allow_pickle: bool = False,
     guarded: Callable[[list[torch.optim.Optimizer]], set[int]] | None = None,
     clone_limit: int | None = None,
+    clone: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[Any, list[torch.optim.Optimizer], list[torch.Tensor]]:
     """The cheap, synchronous half of a save: capture every value that may change next.
 
     Containers are rebuilt and JSON leaves captured; tensors are kept by reference, except
     those that may change before the next optimizer step: module buffers, and - when
     ``guarded`` says which data pointers only an optimizer step changes - every other
-    tensor outside that set, cloned up to ``clone_limit`` bytes per save (default ``guard.CLONE_LIMIT``).
+    tensor outside that set, cloned up to ``clone_limit`` bytes per save (default ``guard.CLONE_LIMIT``)
+    by ``clone`` (default ``Tensor.clone``; the Checkpointer's :class:`guard.ClonePool`).
     Returns the snapshot, the optimizers found, and the unguarded tensors left uncloned.
     """
     if not isinstance(state, Mapping):
@@ -179,7 +181,7 @@ def snapshot(
         clones: dict[ViewKey, torch.Tensor] = {}
         left: list[torch.Tensor] = []
         try:
-            _clone_unguarded(bare, guarded, optimizers, clone_limit, clones, left)
+            _clone_unguarded(bare, guarded, optimizers, clone_limit, clones, left, clone)
         except RuntimeError:
             if any(t.is_nested for t in bare):  # torch cannot describe its views
                 _refuse(state, allow_pickle)
@@ -201,7 +203,8 @@ def _refuse(state: Mapping[str, Any], allow_pickle: bool) -> NoReturn:
 
 def _clone_unguarded(bare: list[torch.Tensor], guarded: Callable[[list[torch.optim.Optimizer]], set[int]] | None,
                      optimizers: list[torch.optim.Optimizer], clone_limit: int | None,
-                     clones: dict[ViewKey, torch.Tensor], left: list[torch.Tensor]) -> None:
+                     clones: dict[ViewKey, torch.Tensor], left: list[torch.Tensor],
+                     clone: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Clone into ``clones`` the tensors of ``bare`` that something other than an optimizer
     step may change before the copy (see :func:`snapshot`); ``left`` gets those over budget."""
     if guarded is None or not bare:
@@ -219,7 +222,7 @@ def _clone_unguarded(bare: list[torch.Tensor], guarded: Callable[[list[torch.opt
         if key in clones:
             continue
         if t.nbytes <= budget:
-            clones[key] = t.detach().clone()
+            clones[key] = t.detach().clone() if clone is None else clone(t)
             budget -= t.nbytes
         else:
             left.append(t)
