@@ -304,7 +304,7 @@ def plan(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, st
 # 10: the writer's hashing threads (durable against the loop's inflation) and the drain's
 # pieces (a smaller piece: a shorter wait for whatever else the GPU copies meanwhile).
 VARIANTS = [
-    ("hash16", {"INCLUSTER_HASH_THREADS": "16"}),
+    ("hash8", {"INCLUSTER_HASH_THREADS": "8"}),  # the default is min(16, the rank's cores)
     ("hash4", {"INCLUSTER_HASH_THREADS": "4"}),
     ("piece4w4", {"INCLUSTER_DRAIN_PIECE_MIB": "4", "INCLUSTER_DRAIN_WINDOW": "4"}),
 ]
