@@ -31,6 +31,7 @@ from incluster.errors import CheckpointError, PeerTimeoutError, TierUnavailableE
 from incluster.goodput import events as ev
 from incluster.catch_up import catch_up
 from incluster.handle import SaveHandle
+from incluster.handover import HandOver
 from incluster.loading import LoadPipeline
 from incluster.saving import SavePipeline
 from incluster.guard import ClonePool, StepGuard
@@ -150,6 +151,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._highest = self.ring.newest_step()
         self._held_at_start = self._highest  # an earlier run's newest step on this node (-1: none)
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
+        self._handover = HandOver(self._stage_pool.submit, lambda: getattr(self._writer, "started", None))
         self._inflight: StageJob | None = None
         self._healing: Future[None] | None = None  # a peer restore's heal, on the staging thread
         self._pending: list[SaveHandle] = []
@@ -176,6 +178,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._clones = ClonePool()  # save()'s copies of unguarded CPU tensors, reused
         self._unguarded_warned = False
         self._warned_warm = False
+        self._said_superseded = False
         self._shrunk_to: int | None = None
         self.last_restore: RestoreReport | None = None
         self._old_world: int | None = None  # after a resharding restore: the world it came from
@@ -279,6 +282,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
                                      clone=functools.partial(self._clones.clone, lent=lent))
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)
+            if self._handover.waiting and not self.ring.has_room():
+                self._supersede(step)  # not a wait for the writer's start
             try:
                 slot = self.ring.acquire(step, self.config.slot_timeout_s)
             except OSError as exc:  # the RAM folder: not writable, gone, full
@@ -334,7 +339,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                             self.rank, step, err)
 
         try:
-            self._stage_pool.submit(publish)
+            self._stage_pool.submit(self._handover.run, publish)  # behind the saves before it
         except RuntimeError:  # shut down: nothing is staging
             publish()
 

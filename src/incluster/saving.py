@@ -28,6 +28,7 @@ from incluster.errors import (CheckpointError, CommitError, PeerTimeoutError, St
                               WriterProcessDied)
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
+from incluster.handover import HandOver
 from incluster.catch_up import not_due
 from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager, gpu_devices
@@ -112,12 +113,14 @@ class SavePipeline:
     _loaded: bool
     _errors: list[tuple[SaveHandle, BaseException]]
     _warned_warm: bool
+    _said_superseded: bool  # a save given up for a newer one while the writer started: warned once
     _writer_params: WriterParams
     _writer_lock: threading.Lock
     _writer_restarts: int
     _shrunk_to: int | None  # the fewest slots the ring was cut to for want of room (the user was told)
     _closed: bool
     _stage_pool: Any
+    _handover: HandOver
 
     def _stage(self, job: StageJob, handle: SaveHandle) -> None:
         """Staging thread: copy, then hand the slot to the writer."""
@@ -156,6 +159,45 @@ class SavePipeline:
         handle.staged_s = (job.staged_at or time.perf_counter()) - handle.started
         self.events.record(ev.STAGED, step=job.step, seconds=handle.staged_s)
         self.ring.set_state(job.slot, SlotState.COMMITTING)
+        # The next save may be staged before the writer's start is over (see handover).
+        self._handover.run(functools.partial(self._submit, job, handle, req), key=(job, handle))
+        # Right after each save is staged, on this thread: the other slots are ready
+        # (sized, mapped, page-locked) before the next save takes one.
+        self._warm(job.layout)
+
+    def _supersede(self, step: int) -> None:
+        """save(``step``) finds every slot held by saves still waiting for the writer's
+        start: the oldest of them gives its slot up, so save() does not wait for that start
+        (1-7 s, a fresh interpreter importing torch). It fails, and the writer is told so
+        in its place among the queued hand-offs (the steps' order holds); the other ranks
+        fail it too, and the newer steps go on."""
+        def tell_instead(key: tuple[StageJob, SaveHandle]) -> Any:
+            job = key[0]
+            seq = (job.prev, job.ordinal, job.timeline)
+
+            def tell() -> None:
+                writer = self._writer if self._writer_gone() is not None else self._live_writer()
+                writer.fail(job.step, f"hand-off: superseded on rank {self.rank} by step {step} before its writer "
+                                      f"process had started", seq)
+            return tell
+
+        key = self._handover.supersede(tell_instead)
+        if key is None:
+            return
+        job, handle = key
+        err = CheckpointError(
+            f"step {job.step} was not saved: save({step}) took its slot while it still waited for this rank's "
+            f"writer process to start (a fresh interpreter importing torch), as saves came faster than that "
+            f"start; the newer steps go on as usual. To keep every early step, save less often in the first "
+            f"seconds or pass keep=3 or more")
+        err.from_peer = True  # type: ignore[attr-defined]  # wait() and the handle say it; no later save() raises it
+        log.log(logging.INFO if self._said_superseded else logging.WARNING, "incluster: rank %d: %s%s", self.rank,
+                err, "" if self._said_superseded else " (said once; later ones at INFO)")
+        self._said_superseded = True
+        self._fail(job, handle, err, "hand-off", published=True)
+
+    def _submit(self, job: StageJob, handle: SaveHandle, req: CommitRequest) -> None:
+        """Staging thread, once the writer's start is over: hand the staged save over."""
         self._writer_answered()
         writer = self._writer
         try:
@@ -173,9 +215,6 @@ class SavePipeline:
         # before this line: _persisted keeps such an early word for _local_done.
         faults.check("handoff", self.rank, job.step)
         local.add_done_callback(on_local)
-        # Right after each save is handed to the writer, on this thread: the other slots are
-        # ready (sized, mapped, page-locked) before the next save takes one.
-        self._warm(job.layout)
         self._stager.offer_remote()  # a new writer, or a new buffer: shared before the next save
 
     def _local_done(self, job: StageJob, handle: SaveHandle, fut: "Future[tuple[str, bool]]") -> None:
@@ -331,8 +370,9 @@ class SavePipeline:
         writer: Writer | None = None,
     ) -> None:
         if not published:  # no rank may wait for a step that failed here (told by the step's own writer)
-            (writer or self._writer).fail(job.step, f"{phase}: {type(exc).__name__}: {exc}",
-                                          (job.prev, job.ordinal, job.timeline))
+            reason, seq = f"{phase}: {type(exc).__name__}: {exc}", (job.prev, job.ordinal, job.timeline)
+            # behind the saves still waiting for the writer's start (the steps' order)
+            self._handover.run(lambda: (writer or self._writer).fail(job.step, reason, seq))
         full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
         hint = (f"; the RAM disk holding {self.folder} is full: free space there, lower keep or "
                 f"replicas, or point local_dir elsewhere") if full and "free space" not in str(exc) else ""
@@ -432,8 +472,9 @@ class SavePipeline:
 
     def _writer_answered(self) -> None:
         """Staging thread, before a save is handed to the writer: the writer's start is
-        over (neither the constructor nor load() waits for it). A save is then never held
-        by a writer whose start fails: ``_live_writer`` hands it to the next one."""
+        over (neither the constructor nor load() waits for it; ``_handover`` runs the
+        hand-off only then, so this does not wait). A save is then never held by a writer
+        whose start fails: ``_live_writer`` hands it to the next one."""
         wait = getattr(self._writer, "wait_started", None)
         if wait is None:
             return

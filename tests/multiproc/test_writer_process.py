@@ -148,6 +148,63 @@ def test_a_writer_whose_first_start_fails_is_started_again_and_saves_land(local_
         assert ck.load(target) == 2 and torch.equal(target["w"], torch.full((10,), 2.0))
 
 
+def test_saves_made_while_the_writer_starts_are_staged_at_once_and_land_in_order(local_dir, monkeypatch):
+    """The writer's start is slow: every save made meanwhile is staged at once (the next
+    optimizer step waits for nothing), and is handed over in save() order once the start
+    is over - with a save refused in between told to the writer in its place."""
+    faults = FaultInjector().fail_at(phase="writer-start", step=0, action="slow", seconds=3.0)
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w", keep=4) as ck:
+        started = ck._writer.started
+        told: list[int] = []  # the steps in the order the writer hears of them
+        submit, fail = ck._writer.submit, ck._writer.fail
+        ck._writer.submit = lambda req, slot: (told.append(req.step), submit(req, slot))[1]
+        ck._writer.fail = lambda step, *a: (told.append(step), fail(step, *a))[1]
+        handles = []
+        for step in (1, 2):
+            handles.append(ck.save(step, {"w": torch.full((10,), float(step))}))
+            handles[-1].staged.result(30)
+        assert not started.done(), "a save waited for the writer's start to be staged"
+        with pytest.raises(incluster.CheckpointError):
+            ck.save(3, {"w": lambda: None})  # refused in save(): step 3 is told failed, behind 1 and 2
+        handles.append(ck.save(4, {"w": torch.full((10,), 4.0)}))
+        handles[-1].staged.result(30)
+        assert not started.done()
+        for h in handles:
+            h.wait(60)
+        assert told == [1, 2, 3, 4]
+    target = {"w": torch.zeros(10)}
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        assert ck.load(target) == 4 and torch.equal(target["w"], torch.full((10,), 4.0))
+
+
+def test_a_save_finding_every_slot_held_for_the_writer_start_takes_the_oldest_one(local_dir, monkeypatch):
+    """keep=2 and three saves before the writer has started: the third does not wait for
+    the start; the first gives up its slot (its handle says why, in order for the writer)
+    and the newer steps land."""
+    faults = FaultInjector().fail_at(phase="writer-start", step=0, action="slow", seconds=3.0)
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w", keep=2) as ck:
+        started = ck._writer.started
+        told: list[tuple[str, int]] = []
+        submit, fail = ck._writer.submit, ck._writer.fail
+        ck._writer.submit = lambda req, slot: (told.append(("save", req.step)), submit(req, slot))[1]
+        ck._writer.fail = lambda step, *a: (told.append(("fail", step)), fail(step, *a))[1]
+        handles = [ck.save(step, {"w": torch.full((10,), float(step))}) for step in (1, 2, 3)]
+        handles[-1].staged.result(30)
+        assert not started.done(), "save(3) waited for the writer's start"
+        with pytest.raises(incluster.CheckpointError, match="step 1 was not saved: save\\(3\\) took its slot"):
+            handles[0].wait(60)
+        handles[1].wait(60)
+        handles[2].wait(60)
+        ck.wait(60)  # step 1's failure is older than the durable step 3: not raised again
+        assert told == [("fail", 1), ("save", 2), ("save", 3)]
+        ck.save(4, {"w": torch.full((10,), 4.0)}).wait(60)  # and the next save is as usual
+    target = {"w": torch.zeros(10)}
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        assert ck.load(target) == 4 and torch.equal(target["w"], torch.full((10,), 4.0))
+
+
 class _GatedLock:
     """The writer's lock, but the test thread takes it only once the start has failed:
     the moment between a look at the writer and the lock, made long."""

@@ -268,6 +268,14 @@ class SlotRing:
         """The newest step a slot holds (saved, or being saved), -1 when none: save() takes only newer."""
         return max((s.step for s in self.slots if s.step is not None), default=-1)
 
+    def has_room(self) -> bool:
+        """Whether :meth:`acquire` would take a slot now, without waiting."""
+        with self._cond:
+            return len(self.slots) < self.keep or any(
+                (s.state is SlotState.FREE or (s.state is SlotState.COMMITTED and s.step is not None
+                                               and s.step < (self.newest_global or -1))) and not s.uploading
+                for s in self.slots)
+
     def free_slots(self) -> list[Slot]:
         """Slots that hold nothing and are not read by an upload (for ``prepare``-ing ahead:
         a save that takes one meanwhile queues behind that on the staging thread)."""

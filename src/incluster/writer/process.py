@@ -150,6 +150,11 @@ class ProcessWriter:
                 self._publish_failed(step, reason, seq)
             self._started.set_exception(err)
 
+    @property
+    def started(self) -> "Future[None]":
+        """Resolves when the writer answered its greeting (an exception: it did not start)."""
+        return self._started
+
     def wait_started(self, timeout: float | None = None) -> None:
         """Until the writer answered its greeting; raises why it did not start."""
         self._started.result(timeout)
