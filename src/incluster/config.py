@@ -224,17 +224,19 @@ def resolve(
 def default_job() -> str:
     """The job name when none is given: torchrun's run id if it set a real one; otherwise
     the training script's name plus a digest of what identifies this launch - for a
-    multi-rank job the rendezvous endpoint (MASTER_ADDR:MASTER_PORT, the same on every
-    rank), for a single process the script's absolute path and the working directory.
-    A restart of the same launch resumes; a different script, folder or endpoint never
-    shares (or loads) another run's checkpoints because the shapes happen to match."""
+    multi-node job the rendezvous endpoint (MASTER_ADDR:MASTER_PORT, the same on every
+    rank), for a single process or a one-node job the script's absolute path and the
+    working directory. A restart of the same launch resumes; a different script, folder
+    or endpoint never shares (or loads) another run's checkpoints because the shapes
+    happen to match. A run id torchrun drew for a one-node job (:func:`drawn_run_id`) is
+    new at every launch, so it names nothing a relaunch could find: not used."""
     env = os.environ
     rid = env.get("TORCHELASTIC_RUN_ID")
-    if rid and rid != "none":
+    if rid and rid != "none" and not drawn_run_id():
         return rid if _JOB_SAFE.match(rid) else "run-" + hashlib.blake2b(rid.encode(), digest_size=6).hexdigest()
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", os.path.splitext(os.path.basename(main))[0]) if main else "interactive"
-    if int(env.get("WORLD_SIZE", "1") or "1") > 1:
+    if int(env.get("WORLD_SIZE", "1") or "1") > 1 and not _one_node():
         key = f"{stem}|{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
     else:
         key = f"{os.path.abspath(main) if main else ''}|{os.getcwd()}"
@@ -242,6 +244,20 @@ def default_job() -> str:
 
 
 _JOB_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def _one_node() -> bool:
+    env = os.environ
+    return bool(env.get("LOCAL_WORLD_SIZE")) and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE", "1")
+
+
+def drawn_run_id() -> bool:
+    """Whether torchrun's run id is one it drew for this launch: a UUID on a one-node job.
+    torchrun draws one for ``--standalone``, and (torch 2.13) for any one-node launch
+    without ``--rdzv-endpoint`` or ``--master-port``, ignoring ``--rdzv-id`` then."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID")
+    return bool(rid and _UUID.match(rid)) and _one_node()
 
 
 def _persistent_url(value: Any) -> Any:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Mapping
@@ -40,7 +39,6 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
 def close_at_exit(ckpt: Checkpointer) -> None:
@@ -98,20 +96,22 @@ def check_out_at_exit(ckpt: Checkpointer) -> None:
 
 def job_derived(options: Mapping[str, Any], job: str, world_size: int) -> bool:
     """Rank 0: whether ``job`` came from the launch (no job= or INCLUSTER_JOB); says so,
-    and warns where torchrun draws that name anew at every launch."""
+    and warns where the launch gives no name that a relaunch would find again."""
+    from incluster.config import drawn_run_id
+
     rid = os.environ.get("TORCHELASTIC_RUN_ID")
-    drawn = bool(rid and _UUID.match(rid))  # torchrun --standalone draws a new one per launch
+    drawn = drawn_run_id()  # anew at every launch: not the name
     derived = bool(not options.get("job") and not os.environ.get("INCLUSTER_JOB")
                    and (not rid or rid == "none" or drawn))
     if derived and drawn:
-        log.warning("incluster: job %r is named from torchrun's run id %s, which `torchrun --standalone` "
-                    "draws anew at every launch: a relaunch will not find these checkpoints. Pass "
-                    "--rdzv-id NAME to torchrun (the same at every launch), or job= / INCLUSTER_JOB", job, rid)
+        log.info("incluster: job %r is named from the script and working directory: torchrun drew run id %s for "
+                 "this one-node launch (it draws one at every launch unless given --rdzv-endpoint or "
+                 "--master-port, ignoring --rdzv-id), so a relaunch of this script from here resumes it; pass "
+                 "job= or set INCLUSTER_JOB to name it", job, rid)
     elif derived and rid == "none" and world_size > 1:
-        log.warning("incluster: torchrun was started without --rdzv-id (its run id is 'none'), so job %r is "
-                    "named from MASTER_PORT, which torchrun picks anew at every launch: a relaunch will not "
-                    "find these checkpoints. Pass --rdzv-id NAME to torchrun (the same at every launch), or "
-                    "job= / INCLUSTER_JOB", job)
+        log.info("incluster: job %r is named from the script and the rendezvous endpoint MASTER_ADDR:MASTER_PORT "
+                 "(torchrun's run id is 'none'): a relaunch with the same endpoint resumes it; pass --rdzv-id "
+                 "NAME to torchrun, or job= / INCLUSTER_JOB, to name it", job)
     elif derived:
         log.info("incluster: job %r (derived from the launch; pass job= or set INCLUSTER_JOB to "
                  "name it, e.g. to resume it from another launch)", job)

@@ -128,9 +128,9 @@ class LoadPipeline:
         heal = ctx.heal
         log.info("%s", report.line())
         if report.step is None and self.rank == 0 and self._job_derived:
-            log.warning("incluster: nothing to restore for job %r, a name derived from this launch (a "
-                        "relaunch with a new run id or port gets a new one); if this run should resume "
-                        "an earlier one, pass job= or set INCLUSTER_JOB", self.config.job)
+            log.warning("incluster: nothing to restore for job %r, a name derived from this launch (the "
+                        "script and folder, or torchrun's run id or rendezvous endpoint); if this run should "
+                        "resume an earlier one launched otherwise, pass job= or set INCLUSTER_JOB", self.config.job)
         if report.source == "reshard":
             self._old_world = report.old_world
         if report.step is not None:

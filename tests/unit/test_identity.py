@@ -83,14 +83,33 @@ def test_an_empty_restore_under_a_derived_job_name_says_how_to_resume(local_dir,
             assert ck.config.job == "run-7" and ck.load(state) is None
     assert not any("derived" in r.getMessage() or "pass job=" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    rid = "0d5c8a3e-7f41-4c2b-9a51-3b8e2f6d1c07"  # torchrun --standalone draws a run id per launch
+    rid = "0d5c8a3e-7f41-4c2b-9a51-3b8e2f6d1c07"  # torchrun draws a run id per one-node launch
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", rid)
-    with caplog.at_level("WARNING", logger="incluster"):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with caplog.at_level("INFO", logger="incluster"):
         with incluster.Checkpointer(local_dir=local_dir, writer="thread") as ck:
-            assert ck.config.job == rid and ck.load(state) is None
-    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any("--standalone" in m and "--rdzv-id" in m for m in said), said
-    assert any("pass job=" in m for m in said), said
+            assert ck.config.job != rid and ck.load(state) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert any("drew run id" in m and "--rdzv-endpoint" in m and "pass job=" in m for m in said), said
+
+
+def test_a_one_node_torchrun_job_gets_the_same_name_at_every_launch(monkeypatch, tmp_path):
+    """torchrun draws a new run id (and port) at every one-node launch, --rdzv-id or not:
+    the name comes from the script and folder instead, so a relaunch resumes; a run id
+    given on a multi-node rendezvous still names the job."""
+    monkeypatch.delenv("INCLUSTER_JOB", raising=False)
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__file__", str(tmp_path / "train.py"), raising=False)
+    monkeypatch.chdir(tmp_path)
+    names = set()
+    for rid, port in (("0d5c8a3e-7f41-4c2b-9a51-3b8e2f6d1c07", "41743"), ("875fa357-ee99-4c5f-aad3-8523a159f653", "39643")):
+        for var, value in (("TORCHELASTIC_RUN_ID", rid), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)):
+            monkeypatch.setenv(var, value)
+        names.add(default_job())
+    assert len(names) == 1 and names.pop().startswith("train-")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes: an explicit --rdzv-id is the name
+    assert default_job() == "875fa357-ee99-4c5f-aad3-8523a159f653"
 
 
 def test_a_mistyped_environment_variable_is_named_with_the_one_meant(monkeypatch, caplog, local_dir):
