@@ -95,3 +95,16 @@ def test_the_slots_left_out_for_want_of_room_come_back_once_there_is_room(local_
     assert out["loaded"] == 10 and out["bitwise"] is True, out
     assert proc.stderr.count("keeping 2 from now on") == 1, proc.stderr
     assert "has room again for a checkpoint slot; keeping 4 of the 4" in proc.stderr, proc.stderr
+
+
+@pytest.mark.multiproc
+def test_a_ram_disk_with_room_for_one_slot_says_saves_need_two(local_dir, tmp_path):
+    """Room for one slot only: no save can land beside the newest step. Said up front, and
+    each failed save names the room needed - never "lower keep", which cannot go below 2."""
+    proc, out = _small_ram_disk(local_dir, tmp_path, "2304k")
+    assert out["saves"]["1"] == "durable", out["saves"]
+    for step in range(2, 7):
+        kind, msg = out["saves"][str(step)]
+        assert "at least 2 slots of 1.0 MiB" in msg and "lower keep" not in msg, msg
+    assert "saves will fail until" in proc.stderr, proc.stderr
+    assert out["loaded"] == 1, out

@@ -387,11 +387,20 @@ class Stager:
         free = st.f_bavail * st.f_frsize
         made = sum(allocated(s.path) for s in self.ring.slots)  # adopted ones too: their RAM is on disk
         need = self.ring.keep * size - made
-        if need > free:
+        if need <= free:
+            return
+        where = os.path.dirname(self.ring.folder)
+        if 2 * size - made > free:  # not even the two slots a save needs beside the newest step
+            log.warning(
+                "incluster: this rank's checkpoint slots need %.1f MiB more of %s, and only %.1f MiB are free there: "
+                "saves need room for at least 2 slots of %.1f MiB (the newest step stays while the next is "
+                "written), so saves will fail until %.1f MiB more are free; free space there or point local_dir "
+                "elsewhere", need / 2**20, where, free / 2**20, size / 2**20, (2 * size - made - free) / 2**20)
+        else:
             log.warning(
                 "incluster: this rank's checkpoint slots need about %.1f MiB more of %s, but only %.1f MiB are free "
-                "there: fewer steps than keep=%d will be kept; lower keep, free space, or point local_dir elsewhere",
-                need / 2**20, os.path.dirname(self.ring.folder), free / 2**20, self.ring.keep)
+                "there: fewer steps than keep=%d will be kept (every save still lands); free space, or point "
+                "local_dir elsewhere", need / 2**20, where, free / 2**20, self.ring.keep)
 
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
         if not self._said_size:

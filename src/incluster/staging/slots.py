@@ -484,9 +484,12 @@ class SlotRing:
         return offset
 
     def _no_room(self, size: int, exc: OSError) -> CheckpointError:
+        # Not "lower keep": a ring with room for 2 slots or more shrinks to them by itself
+        # (saving._fit_ring); with room for fewer, no keep helps.
         err = CheckpointError(
-            f"cannot allocate {size} bytes for a checkpoint slot in {self.folder}: "
-            f"{exc.strerror}; free space there (RAM disk full?), lower keep, or point local_dir elsewhere"
+            f"cannot allocate {size} bytes for a checkpoint slot in {self.folder}: {exc.strerror}; free space "
+            f"there (RAM disk full?) or point local_dir elsewhere: saves need room for at least 2 slots of "
+            f"{size / 2**20:.1f} MiB (the newest step stays while the next is written)"
         )
         err.no_room = exc.errno == errno.ENOSPC  # type: ignore[attr-defined]
         return err
