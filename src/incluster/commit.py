@@ -83,9 +83,9 @@ class Coordinator(Protocol):
     def wait_outcome(self, step: int, timeout: float) -> None:
         """Return once ``step`` is globally committed; CommitError/PeerTimeoutError else."""
 
-    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
+    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int, int]:
         """Record ``step`` (numbered ``number``) as the save after ``prev`` unless a rank
-        did first; returns the step and number recorded (see writer/sequence.py)."""
+        did first; returns the step, number and rank recorded (see writer/sequence.py)."""
 
     def persisted(self, step: int, info: str) -> bool:
         """Record this rank's upload of ``step`` (``info``: its size and checksum, JSON);
@@ -136,8 +136,8 @@ class SoloCoordinator:
     def wait_outcome(self, step: int, timeout: float) -> None:
         _raise_for(step, self._outcomes.get((self._t, step), Outcome.COMMITTED.value))
 
-    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
-        return step, number
+    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int, int]:
+        return step, number, 0
 
     def persisted(self, step: int, info: str) -> bool:
         self._infos.clear()  # one upload at a time
@@ -237,10 +237,10 @@ class StoreCoordinator:
         value = f"{Outcome.FAILED.value}:{self.rank}:{reason.replace(chr(10), ' ')[:500]}"
         return self.store.compare_set(self._k("o", step), "", value).decode()
 
-    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
-        got = self.store.compare_set(f"{self._base}n/{timeline}/{prev}", "", f"{step}:{number}").decode()
-        won, _, n = got.partition(":")
-        return int(won), int(n) if n else number
+    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int, int]:
+        got = self.store.compare_set(f"{self._base}n/{timeline}/{prev}", "", f"{step}:{number}:{self.rank}").decode()
+        won, n, by = (got.split(":") + ["", ""])[:3]
+        return int(won), int(n) if n else number, int(by) if by else -1
 
     def settle(self, step: int, reason: str) -> str:
         """A writer died with ``step`` in flight: decide the step for every rank, once.

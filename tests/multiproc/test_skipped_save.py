@@ -27,10 +27,10 @@ def test_a_step_not_every_rank_saves_fails_at_once_and_the_next_lands(local_dir,
         assert [res[s] for s in ("2", "6", "8", "12", "14", "16", "20", "24")] == ["durable"] * 8, (r0, r1)
     # The steps only one rank saved failed there, naming the mismatch, whichever rank's
     # writer reached the job store first (the skipper: "rank 1 did not save step 4"; the
-    # one that saved it: "another rank saved step 6, not step 4").
+    # one that saved it: "rank 1 saved step 6, not step 4"): rank 0's error names rank 1.
     for res, step in ((r0, "4"), (r1, "7"), (r0, "9"), (r0, "10"), (r1, "11")):
         assert res[step] != "durable" and "every rank must save the same steps" in res[step], (step, res)
-    assert "rank 1 did not save step 4" in r0["4"] or "not step 4" in r0["4"], r0
+    assert "rank 1 did not save step 4" in r0["4"] or "rank 1 saved step 6, not step 4" in r0["4"], r0
     # No step waited for slot_timeout_s (60 s): three mismatches in all, in seconds.
     assert r0["elapsed_s"] < 30 and r1["elapsed_s"] < 30, (r0["elapsed_s"], r1["elapsed_s"])
     # Every 2nd save goes to the persistent tier. The ranks made 7 and 5 save() calls before

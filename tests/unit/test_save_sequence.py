@@ -11,17 +11,18 @@ from incluster.writer.sequence import CLOSED, EXITED, SaveSequence, SkippedByOth
 
 class Job:
     def __init__(self) -> None:
-        self.after: dict[tuple[int, int], tuple[int, int]] = {}
+        self.after: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.failed: dict[int, str] = {}
 
     def rank(self, r: int) -> tuple[SaveSequence, list[int]]:
         exchanged: list[int] = []
-        seq = SaveSequence(r, self.successor, lambda s, why: self.failed.setdefault(s, why),
-                           lambda s, timeline: exchanged.append(s))
+        seq = SaveSequence(r, lambda t, p, s, n: self.after.setdefault((t, p), (s, n, r)),
+                           lambda s, why: self.failed.setdefault(s, why), lambda s, timeline: exchanged.append(s))
         return seq, exchanged
 
-    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int]:
-        return self.after.setdefault((timeline, prev), (step, number))
+    def successor(self, timeline: int, prev: int, step: int, number: int) -> tuple[int, int, int]:
+        """As a rank that does not say which it is (a CLOSED/EXITED mark names it in ``number``)."""
+        return self.after.setdefault((timeline, prev), (step, number, -1))
 
 
 def run(seq: SaveSequence, steps: list[int], timeline: int = 0) -> dict[int, str]:
@@ -55,7 +56,8 @@ def test_a_skipped_step_fails_for_everyone_and_the_numbers_stay_alike(skipper_fi
         va, vb = run(a, full), run(b, short)
     assert vb[8] == va[8] and va[10] == vb[10], (va, vb)  # same numbers for the common steps
     if skipper_first:  # rank 1 got to "after 2" first: rank 0's 4 and 5 are the odd ones
-        assert "another rank saved step 8, not step 4" in va[4] and "not step 5" in va[5]
+        assert "rank 1 saved step 8, not step 4" in va[4] and "which rank 1 (and maybe others) did not" in va[4]
+        assert "not step 5" in va[5]
         assert va[8] == "ok 1" and job.failed == {} and xb == []
     else:  # rank 0 got there first: rank 1 finds it skipped 4, then 5, fails both, takes part in their exchange
         assert set(job.failed) == {4, 5} and xb == [4, 5] and "rank 1 did not save step 4" in job.failed[4]

@@ -28,8 +28,9 @@ previous step.
 The sequence also numbers the saves for ``persistent_every`` (every Nth save goes to the
 persistent tier): counting one rank's save() calls would leave the ranks counting apart
 for good after one mismatch, each uploading other steps, and no step would ever be whole
-in the tier. The winner's value carries its number (``"N:number"``), so every rank that
-reads it takes the same number, a writer started again included.
+in the tier. The winner's value carries its number and rank (``"N:number:rank"``), so
+every rank that reads it takes the same number, a writer started again included, and a
+rank whose step the others skipped names the rank that did.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ NO_MORE = "saves no more"  # ... or this, where the rank that did not save the s
 
 _MAX_WALK = 64  # steps the others may have saved that this rank skipped, checked per save
 
-# (timeline, prev, step, number) -> the (step, number) recorded after prev (first one wins);
-# step CLOSED / EXITED: the rank that got there first closed its Checkpointer after prev, or
-# exited without close() (number: its rank)
-Successor = Callable[[int, int, int, int], tuple[int, int]]
+# (timeline, prev, step, number) -> the (step, number, rank) recorded after prev (the first
+# rank to get there wins; rank -1: not known); step CLOSED / EXITED: the rank that got there
+# first closed its Checkpointer after prev, or exited without close() (number: its rank)
+Successor = Callable[[int, int, int, int], tuple[int, int, int]]
 CLOSED, EXITED = -1, -2
 
 
@@ -101,16 +102,17 @@ class SaveSequence:
     def _walk(self, step: int) -> None:
         assert self.pos is not None
         for _ in range(_MAX_WALK):
-            won, number = self._successor(self.timeline, self.pos, step, self.ordinal + 1)
+            won, number, by = self._successor(self.timeline, self.pos, step, self.ordinal + 1)
             if won in (CLOSED, EXITED):
                 raise SkippedByOthers(f"{_gone(number, won, self.pos)}: step {step} is not saved by every rank")
             if won == step or won <= self.pos:
                 self.pos, self.ordinal = step, number
                 return
             if won > step:
+                who = f"rank {by}" if by >= 0 else "another rank"
                 raise SkippedByOthers(
-                    f"{self._after()} another rank saved step {won}, not step {step}: rank {self.rank} saved "
-                    f"step {step}, which not every rank saves ({SAME_STEPS})")
+                    f"{self._after()} {who} saved step {won}, not step {step}: rank {self.rank} saved step {step}, "
+                    f"which {who} (and maybe others) did not save ({SAME_STEPS})")
             why = (f"rank {self.rank} did not save step {won}: {self._after()} it saved step {step} "
                    f"({SAME_STEPS})")
             log.error("incluster: %s", why)
@@ -136,7 +138,7 @@ def leave(successor: Successor, fail: Callable[[int, str], object], rank: int, t
     since ``timeline`` began), because it closed its Checkpointer (``how`` CLOSED) or
     exits without close() (EXITED): a step the others saved after it fails now, and one
     they save later fails at once."""
-    won, _ = successor(timeline, pos, how, rank)
+    won, _, _ = successor(timeline, pos, how, rank)
     if won > pos:  # a step the others saved after it (not CLOSED or EXITED, both < -1 < pos)
         why = f"{_gone(rank, how, pos)}: step {won} is not saved by every rank"
         log.error("incluster: %s", why)
