@@ -368,7 +368,12 @@ class Checkpointer(SavePipeline, LoadPipeline):
                 shapes.append((t.dtype, tuple(t.shape)))
             return t
 
-        snap, _, _ = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers, clone=note)
+        snap, found, _ = snapshot(state, allow_pickle=self.config.allow_pickle, guarded=self._guard.pointers,
+                                  clone=note)
+        if found and not any(o.state or self._guard.stepped(o) for o in found):
+            log.warning("incluster: prepare() before the first optimizer step: the optimizer's state (Adam's "
+                        "moments, momentum buffers) does not exist yet, so the slots made now are too small and "
+                        "are made again at the first save; call prepare() after the first optimizer.step()")
         return self._stage_pool.submit(self._prepare, snap, clones=(self._clones, shapes))
 
     def record_step(self, step: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import inspect
+import logging
 import operator
 import os
 import re
@@ -161,6 +162,19 @@ def _path(name: str, value: Any) -> None:
         raise ValueError(f"{name} is an empty path; leave it out (None) for the default, or name a folder")
 
 
+def _unused_tier_options(**given: Any) -> None:
+    """Options of the persistent tier given without one: say so (once per option set), or
+    a run believed to outlive its nodes would not."""
+    names = [f"{k}={v!r}" for k, v in given.items() if v is not None]
+    key = "tier:" + ",".join(names)
+    if names and key not in _env_warned:
+        _env_warned.add(key)
+        logging.getLogger("incluster").warning(
+            "incluster: %s given, but there is no persistent tier: no step leaves this cluster's RAM. Pass "
+            "persistent=<path or URL> (or set INCLUSTER_PERSISTENT), or leave %s out", ", ".join(names),
+            "it" if len(names) == 1 else "them")
+
+
 def default_local_dir() -> str:
     """This node's RAM folder when ``local_dir`` is not given."""
     return os.path.expanduser(os.environ.get("INCLUSTER_LOCAL_DIR") or DEFAULT_LOCAL_DIR)
@@ -198,6 +212,10 @@ def resolve(
     _path("local_dir", local_dir)
     _path("run_dir", run_dir)
     rd = run_dir if run_dir is not None else env.get("INCLUSTER_RUN_DIR")
+    if persistent is None and not env.get("INCLUSTER_PERSISTENT"):
+        _unused_tier_options(persistent_every=persistent_every, persistent_interval_s=persistent_interval_s,
+                             persistent_keep=None if persistent_keep == 2 else persistent_keep,
+                             persistent_options=persistent_options)
     return Config(
         local_dir=os.path.abspath(os.path.expanduser(os.fspath(local_dir or default_local_dir()))),
         job=job if job is not None else (env.get("INCLUSTER_JOB") or default_job()),

@@ -69,6 +69,10 @@ class StepGuard:
             return args, {**kwargs, "closure": closure_then_wait}
         return (args[0], closure_then_wait, *args[2:]), kwargs
 
+    def stepped(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether ``opt`` has stepped since this guard was registered."""
+        return opt in self._seen
+
     def pointers(self, found: Iterable[torch.optim.Optimizer]) -> set[int]:
         """Data pointers that only an optimizer step changes: parameters and state of the
         optimizers found in the state and of every optimizer seen stepping."""

@@ -122,3 +122,18 @@ def test_a_mistyped_environment_variable_is_named_with_the_one_meant(monkeypatch
         config.resolve(local_dir=local_dir, job="j")
     said = [r.getMessage() for r in caplog.records if "INCLUSTER_LOCALDIR" in r.getMessage()]
     assert len(said) == 1 and "did you mean INCLUSTER_LOCAL_DIR?" in said[0]
+
+
+def test_persistent_tier_options_without_a_tier_are_named(monkeypatch, caplog, local_dir):
+    from incluster import config
+
+    monkeypatch.delenv("INCLUSTER_PERSISTENT", raising=False)
+    monkeypatch.setattr(config, "_env_warned", set())
+    with caplog.at_level("WARNING", logger="incluster"):
+        config.resolve(local_dir=local_dir, job="j", persistent_every=2)
+        config.resolve(local_dir=local_dir, job="j", persistent_every=2)
+        config.resolve(local_dir=local_dir, job="j")  # the defaults: nothing to say
+        config.resolve(local_dir=local_dir, job="j", persistent=str(local_dir), persistent_every=2)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "persistent_every=2 given, but there is no persistent tier" in said[0], said
+    assert "persistent=<path or URL>" in said[0]

@@ -36,6 +36,21 @@ def test_prepare_maps_every_slot_before_the_first_save(local_dir):
         assert _maps(ck) == before, "a save (re)mapped a slot that prepare() had made ready"
 
 
+def test_prepare_before_the_first_optimizer_step_says_so(local_dir, caplog):
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    with _ckpt(local_dir) as ck, caplog.at_level("WARNING", logger="incluster"):
+        ck.prepare({"model": m, "optim": o}).result(30)
+        assert any("prepare() before the first optimizer step" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        train(m, o, 1)  # stepped since the Checkpointer exists: said no more (plain SGD keeps no state)
+        sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+        train(m, sgd, 1)
+        ck.prepare({"model": m, "optim": o}).result(30)
+        ck.prepare({"model": m, "optim": sgd}).result(30)
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
 def test_the_ram_a_rank_takes_is_said_once(local_dir, caplog):
     caplog.set_level("INFO", logger="incluster")
     m = tiny_model()
