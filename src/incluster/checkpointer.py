@@ -152,6 +152,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._held_at_start = self._highest  # an earlier run's newest step on this node (-1: none)
         self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-stage")
         self._handover = HandOver(self._stage_pool.submit, lambda: getattr(self._writer, "started", None))
+        self._stager.hand_over_waiting = lambda: self._handover.waiting > 0
         self._inflight: StageJob | None = None
         self._healing: Future[None] | None = None  # a peer restore's heal, on the staging thread
         self._pending: list[SaveHandle] = []
@@ -282,7 +283,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
                                      clone=functools.partial(self._clones.clone, lent=lent))
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)
-            if self._handover.waiting and not self.ring.has_room():
+            if self._handover.waiting and step > self.ring.newest_step() and not self.ring.has_room():
                 self._supersede(step)  # not a wait for the writer's start
             try:
                 slot = self.ring.acquire(step, self.config.slot_timeout_s)
@@ -496,6 +497,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         finally:
             self._closed = True
             self._guard.close()
+            self._hand_over_queued(deadline)
             stuck = not self._staging_idle(self.config.slot_timeout_s)
             self._stage_pool.shutdown(wait=not stuck)
             with self._lock:

@@ -40,6 +40,7 @@ class HandOver:
         self._started = started
         self._queue: "collections.deque[list[Any]]" = collections.deque()  # [action, key]
         self._running: list[Any] | None = None  # the entry the flush is running
+        self._flusher: int | None = None  # the thread running it
         self._lock = threading.Lock()
 
     @property
@@ -53,7 +54,9 @@ class HandOver:
         queued action may be found by (:meth:`supersede`)."""
         started = self._started()
         with self._lock:
-            if not self._queue and (started is None or started.done()):
+            # Called by the running action itself (a hand-off that failed tells its FAIL):
+            # in its place, not behind the later ones.
+            if (not self._queue and (started is None or started.done())) or self._flusher == threading.get_ident():
                 now = True
             else:
                 now = False
@@ -88,9 +91,10 @@ class HandOver:
         """Run every queued action in order (each handles its own errors)."""
         while True:
             with self._lock:
-                if not self._queue:
-                    return
+                if not self._queue or (self._running is not None and self._flusher != threading.get_ident()):
+                    return  # empty, or another thread's flush runs it (one at a time, in order)
                 entry = self._running = self._queue[0]
+                self._flusher = threading.get_ident()
             try:
                 entry[0]()
             except Exception:  # noqa: BLE001 - an action reports through its save's futures
@@ -98,4 +102,4 @@ class HandOver:
             finally:
                 with self._lock:
                     self._queue.popleft()
-                    self._running = None
+                    self._running = self._flusher = None

@@ -59,7 +59,8 @@ def close_at_exit(ckpt: Checkpointer) -> None:
             return
         with c._lock:
             pending = [h.step for h in c._pending if not h.durable.done()]
-        if not pending:  # nothing to lose: the writer process follows its trainer out
+        # a FAIL still queued for the writer's start: the other ranks wait for it otherwise
+        if not pending and not c._handover.waiting:  # nothing to lose: the writer process follows its trainer out
             check_out_at_exit(c)
             return
         log.warning("incluster: rank %d exits without Checkpointer.close(); finishing the save(s) of step(s) "

@@ -170,13 +170,21 @@ class SavePipeline:
         start: the oldest of them gives its slot up, so save() does not wait for that start
         (1-7 s, a fresh interpreter importing torch). It fails, and the writer is told so
         in its place among the queued hand-offs (the steps' order holds); the other ranks
-        fail it too, and the newer steps go on."""
+        fail it too, and the newer steps go on. Not once the start is over: the queue is then
+        about to be handed over, and a slot freed by its commit."""
+        started = getattr(self._writer, "started", None)
+        if started is None or started.done():
+            return
+
         def tell_instead(key: tuple[StageJob, SaveHandle]) -> Any:
             job = key[0]
             seq = (job.prev, job.ordinal, job.timeline)
 
             def tell() -> None:
-                writer = self._writer if self._writer_gone() is not None else self._live_writer()
+                try:
+                    writer = self._writer if self._writer_gone() is not None else self._live_writer()
+                except Exception:  # noqa: BLE001 - no successor: a dead writer's fail() publishes from here
+                    writer = self._writer
                 writer.fail(job.step, f"hand-off: superseded on rank {self.rank} by step {step} before its writer "
                                       f"process had started", seq)
             return tell
@@ -195,6 +203,20 @@ class SavePipeline:
                 err, "" if self._said_superseded else " (said once; later ones at INFO)")
         self._said_superseded = True
         self._fail(job, handle, err, "hand-off", published=True)
+
+    def _hand_over_queued(self, deadline: float) -> None:
+        """close(): what still waits for the writer's start (a refused save's FAIL, with
+        no save pending) is handed over before the writer is shut down - the other ranks
+        would wait ``slot_timeout_s`` for the step otherwise."""
+        started = getattr(self._writer, "started", None)
+        if not self._handover.waiting or started is None:
+            return
+        try:
+            started.exception(max(0.0, deadline - time.monotonic()))  # the start's outcome, not its error
+            self._stage_pool.submit(self._handover.flush).result(max(1.0, deadline - time.monotonic()))
+        except Exception as exc:  # noqa: BLE001 - close() goes on
+            log.warning("incluster: rank %d: close() could not hand the writer what waited for its start: %s",
+                        self.rank, exc)
 
     def _submit(self, job: StageJob, handle: SaveHandle, req: CommitRequest) -> None:
         """Staging thread, once the writer's start is over: hand the staged save over."""

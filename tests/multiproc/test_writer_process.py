@@ -190,7 +190,12 @@ def test_a_save_finding_every_slot_held_for_the_writer_start_takes_the_oldest_on
         submit, fail = ck._writer.submit, ck._writer.fail
         ck._writer.submit = lambda req, slot: (told.append(("save", req.step)), submit(req, slot))[1]
         ck._writer.fail = lambda step, *a: (told.append(("fail", step)), fail(step, *a))[1]
-        handles = [ck.save(step, {"w": torch.full((10,), float(step))}) for step in (1, 2, 3)]
+        handles = [ck.save(step, {"w": torch.full((10,), float(step))}) for step in (1, 2)]
+        deadline = time.monotonic() + 30
+        while ck._handover.waiting < 2:  # both staged and queued for the start: every slot held
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        handles.append(ck.save(3, {"w": torch.full((10,), 3.0)}))
         handles[-1].staged.result(30)
         assert not started.done(), "save(3) waited for the writer's start"
         with pytest.raises(incluster.CheckpointError, match="step 1 was not saved: save\\(3\\) took its slot"):
@@ -203,6 +208,46 @@ def test_a_save_finding_every_slot_held_for_the_writer_start_takes_the_oldest_on
     target = {"w": torch.zeros(10)}
     with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
         assert ck.load(target) == 4 and torch.equal(target["w"], torch.full((10,), 4.0))
+
+
+def test_a_failure_told_while_the_writer_starts_reaches_it_even_when_close_follows(local_dir, monkeypatch):
+    """A refused save's FAIL waits for the writer's start; close() right after, with no
+    save pending, must still hand it over (the other ranks would wait slot_timeout_s)."""
+    faults = FaultInjector().fail_at(phase="writer-start", step=0, action="slow", seconds=2.0)
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    ck = incluster.Checkpointer(local_dir=local_dir, job="w")
+    told: list[tuple[int, str]] = []
+    fail = ck._writer.fail
+
+    def record(step, *a):
+        try:
+            fail(step, *a)
+            told.append((step, "sent"))
+        except Exception as exc:  # noqa: BLE001
+            told.append((step, f"{type(exc).__name__}: {exc}"))
+
+    ck._writer.fail = record
+    with pytest.raises(incluster.CheckpointError):
+        ck.save(1, {"w": lambda: None})
+    assert not ck._writer.started.done()
+    ck.close()
+    assert told == [(1, "sent")]
+
+
+def test_a_save_refused_as_not_newer_gives_up_no_queued_step(local_dir, monkeypatch):
+    faults = FaultInjector().fail_at(phase="writer-start", step=0, action="slow", seconds=2.0)
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w", keep=2) as ck:
+        handles = [ck.save(step, {"w": torch.full((10,), float(step))}) for step in (1, 2)]
+        deadline = time.monotonic() + 30
+        while ck._handover.waiting < 2:  # both queued for the start, every slot held
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not ck._writer.started.done()
+        with pytest.raises(incluster.CheckpointError, match="not newer"):
+            ck.save(2, {"w": torch.ones(10)})
+        for h in handles:
+            h.wait(60)  # step 1 kept its slot
 
 
 class _GatedLock:

@@ -145,6 +145,7 @@ class Stager:
         self._helper: ThreadPoolExecutor | None = None
         self.remote: Any = None  # remote_drain.RemoteDrain: the writer process drains (gpu_drain="writer")
         self.remote_timeout_s = 300.0
+        self.hand_over_waiting: Any = lambda: False  # whether saves wait for the writer's start
 
     @property
     def device_active(self) -> bool:
@@ -208,7 +209,9 @@ class Stager:
             from incluster.staging.device_snapshot import drain
 
             views = self._views(job.slot, layout)  # maps (and page-locks) a slot not warmed yet
-            remote = self.remote is not None and self.remote.offer(self._device.buf)
+            # Not while saves wait for the writer's start (handover): this one's hand-off
+            # would queue behind them, and the next save wait for its drain on this thread.
+            remote = self.remote is not None and not self.hand_over_waiting() and self.remote.offer(self._device.buf)
             if not remote:
                 cuda.register(job.slot, self.cuda_device)
             stream = self._copier().stream(plan.device)
