@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Mapping
 
 from incluster import wiring
+from incluster import config as _config
 from incluster.config import Config
 from incluster.errors import CheckpointError
 from incluster.goodput import events as ev
@@ -63,13 +64,21 @@ class LoadPipeline:
     _writer: Any
     _prepare: Callable[..., None]
 
-    def load(self, state: Mapping[str, Any]) -> int | None:
+    def load(self, state: Mapping[str, Any], *, step: int | None = None) -> int | None:
         """Restore the newest step that every rank can get a verified copy of - from its
         own node, a peer's RAM, or (later) the persistent tier - into ``state`` in place.
         Returns the step, or None when nothing was saved. Collective: every rank calls it.
-        The decision is kept in ``last_restore`` and logged in one line per rank."""
+        The decision is kept in ``last_restore`` and logged in one line per rank.
+
+        ``step``: that step and no other (a rollback, say), from wherever it is; every rank
+        passes the same (rank 0's is used). NoCheckpointError when it cannot be restored,
+        before any byte lands. The steps saved after it are then dropped from this node's
+        RAM, and the saves from here on are a new timeline that restores take over them
+        (until the first save after the rollback, a restart would find them again)."""
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
+        if step is not None:
+            step = _config.step_number(step)
         if not isinstance(state, Mapping):  # as save() says it (before the count: the call never began)
             raise CheckpointError(
                 f"state must be a dict of named parts, e.g. {{'model': model, 'optim': optim}}, "
@@ -80,7 +89,7 @@ class LoadPipeline:
         t0, before = time.perf_counter(), self.last_restore
         try:
             with ArrivalWatch(self._store_address, self.rank, "load()", self._loads):
-                step = self._load(state)
+                step = self._load(state, step)
             self._loaded = True
             # Not waiting for the writer process's start (a fresh interpreter importing
             # torch: seconds with several ranks per node, often longer than the restore):
@@ -97,7 +106,7 @@ class LoadPipeline:
                                    seconds=time.perf_counter() - t0, restore_s=report.seconds)
         return step
 
-    def _load(self, state: Mapping[str, Any]) -> int | None:
+    def _load(self, state: Mapping[str, Any], only: int | None = None) -> int | None:
         try:
             self.wait()  # saves in flight end first; their failures are superseded by the restore
         except CheckpointError as exc:
@@ -118,6 +127,7 @@ class LoadPipeline:
             persistent=wiring.persistent_tier(self.config),
             rank_state=self.config.reshard_rank_state,
             refuse_resize=self._refuse_resize,
+            only_step=only,
         )
         # The saves from here on are a new timeline, going on from the restored step (from
         # nothing, should the restore fail and the caller save anyway)

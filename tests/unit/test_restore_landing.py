@@ -172,7 +172,7 @@ def test_every_copy_of_a_rank_bad_is_said_as_such_not_as_lost():
 
     from incluster.recovery.plan_round import plan_round
 
-    ctx = SimpleNamespace(local_dir="/ram", job="t", persistent=None, world_size=2, rank=0)
+    ctx = SimpleNamespace(local_dir="/ram", job="t", persistent=None, world_size=2, rank=0, only_step=None)
     inv = [(o, s, 100, 2, 0) for o in (0, 1) for s in (25, 30)]
     said = plan_round(ctx, [("n0", inv), ("n1", [])], {("n0", 0, 25), ("n0", 0, 30)})
     assert isinstance(said, str)

@@ -73,6 +73,8 @@ def plan_round(
             # Copies of abandoned timelines, and of older timelines at a step a later one
             # saved again, are never combined with the rest (recovery/lineage.py).
             holdings, dropped, latest = lineage.current(raw, others)
+            if ctx.only_step is not None:  # load(step=N): the other steps are evidence only (above)
+                holdings = {node: [i for i in items if i[1] == ctx.only_step] for node, items in holdings.items()}
             for node, items in healed:  # copies healed in earlier rounds: of a step the plan chose
                 holdings.setdefault(node, []).extend(items)
             return make_plan(topo, holdings, exclude, force_reshard=remesh), dropped, latest, holdings
@@ -92,6 +94,8 @@ def plan_round(
             def own(step: int) -> set[int]:  # ranks whose own node holds a usable copy of their shard
                 return {r for r, n in enumerate(topo.node_of) if n in nodes_of(holders, r, step, ctx.world_size)}
 
+            if ctx.only_step is not None:
+                manifests = {k: v for k, v in manifests.items() if k == ctx.only_step}
             persisted = persistent_plan(ctx, plan.step, manifests, exclude, shared,
                                         [topo.node_index(n) for n in topo.node_of], remesh=remesh, latest=lineages,
                                         own=own)
@@ -101,6 +105,14 @@ def plan_round(
             plans = [failed] * ctx.world_size
         elif persisted is not None:
             plans = persisted
+        elif plan.step is None and ctx.only_step is not None:
+            want = ctx.only_step
+            why = (f": it lacks rank(s) {plan.missing[want]}" if want in plan.missing
+                   else ": copies of it failed verification (see the log)" if any(e[2] == want for e in exclude)
+                   else " (of the timeline restores take now)")
+            plans = [f"load(step={want}): no good copy of every rank's shard of step {want} is in the cluster's RAM"
+                     + ("" if ctx.persistent is None else " or the persistent tier") + why
+                     + "; nothing is loaded. `incluster ls` lists the steps there are"] * ctx.world_size
         elif plan.step is None and exclude:
             # Copies existed but none could be used: starting afresh would silently drop them.
             bad = sorted({step for _, _, step in exclude})

@@ -105,6 +105,7 @@ class Context:
     rank_state: str = "same-rank"  # reshard_rank_state: a restore into another world size
     refuse_resize: str | None = None  # an integration's reason no step of another world size can go on
     heal: Any = None  # out: a received copy (transfer.Received) whose heal is left to the caller
+    only_step: int | None = None  # load(step=N): this step or none (rank 0's decides)
 
 
 def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:

@@ -287,6 +287,18 @@ class SlotRing(SlotFiles):
             self._discard(step)
             self._cond.notify_all()
 
+    def forget_unmarked(self, step: int) -> None:
+        """Committed slots of ``step`` or newer whose commit marker is gone from disk become
+        free: a restore that went back un-committed them there (``recovery.node.abandon_newer``),
+        and a writer's replica ring, in memory since before it, must take the new timeline's
+        steps beside them (not refuse them as older than what it holds)."""
+        with self._cond:
+            for s in list(self.slots):
+                if (s.state is SlotState.COMMITTED and s.step is not None and s.step >= step
+                        and not os.path.exists(os.path.join(self.folder, sidecar_file(s.step)))):
+                    self._discard(s.step)
+            self._cond.notify_all()
+
     def _discard(self, step: int) -> None:
         try:
             os.unlink(os.path.join(self.folder, sidecar_file(step)))
