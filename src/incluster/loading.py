@@ -16,11 +16,12 @@ from typing import Any, Callable, Mapping
 from incluster import wiring
 from incluster import config as _config
 from incluster.config import Config
-from incluster.errors import CheckpointError
+from incluster.errors import CheckpointError, NoCheckpointError, TierUnavailableError
 from incluster.goodput import events as ev
 from incluster.recovery.heal import changing_pointers
 from incluster.recovery.meet import ArrivalWatch
 from incluster.recovery.restore import Context as RestoreContext
+from incluster.recovery.from_persistent import abandon_in_tier
 from incluster.recovery.restore import RestoreReport, restore
 from incluster.staging.slots import SlotRing
 from incluster.state import snapshot
@@ -131,8 +132,14 @@ class LoadPipeline:
         )
         # The saves from here on are a new timeline, going on from the restored step (from
         # nothing, should the restore fail and the caller save anyway)
-        self._lineage = (self._began, self._loads, -1)
-        report = restore(ctx, state)
+        before, self._lineage = self._lineage, (self._began, self._loads, -1)
+        try:
+            report = restore(ctx, state)
+        except (NoCheckpointError, TierUnavailableError):
+            # Refused before any byte landed: the live state still goes on from where it
+            # was (a save now must not start a timeline that abandons every earlier step).
+            self._lineage = before
+            raise
         self.last_restore = report
         self._lineage = (self._began, self._loads, -1 if report.step is None else report.step)
         heal = ctx.heal
@@ -143,6 +150,8 @@ class LoadPipeline:
                         "resume an earlier one launched otherwise, pass job= or set INCLUSTER_JOB", self.config.job)
         if report.source == "reshard":
             self._old_world = report.old_world
+        if report.step is not None and only is not None and self.rank == 0:
+            abandon_in_tier(ctx.persistent, self.config.job, report.step)
         if report.step is not None:
             self.ring.reset_to(report.step)
             self._highest = self._restored = report.step

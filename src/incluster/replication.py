@@ -338,7 +338,7 @@ class Replicator:
             log.warning("incluster: rank %d sent a %d-byte sidecar for step %d; refused", owner, sc_len, step)
             return 0
         ring = self._ring(owner)
-        ring.forget_unmarked(step)  # after a load() that went back: the abandoned steps' slots
+        ring.forget_unmarked()  # after a load() that went back: the abandoned steps' slots
         if not (step not in ring.committed_steps() and all(s.step is None or s.step < step for s in ring.slots)):
             return 0
         if self.share and own is not None and content != 0 and own.content == content and own.size == size:

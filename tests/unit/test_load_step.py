@@ -4,6 +4,8 @@ saves after a rollback are the timeline later restores take."""
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 
 import pytest
@@ -13,7 +15,7 @@ import incluster
 
 
 def _ckpt(local_dir, **kw):
-    return incluster.Checkpointer(local_dir=local_dir, job="roll", writer="thread", keep=4, **kw)
+    return incluster.Checkpointer(local_dir=local_dir, job="roll", writer="thread", **{"keep": 4, **kw})
 
 
 def _saved(local_dir, steps, **kw):
@@ -65,3 +67,67 @@ def test_a_named_step_only_the_persistent_tier_holds_comes_from_there(local_dir,
         assert ck.load(state, step=10) == 10
         assert ck.last_restore is not None and ck.last_restore.source == "persistent"
         assert torch.equal(state["w"], torch.full((64,), 10.0))
+
+
+def _flip(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 8)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_refused_rollback_leaves_the_newer_steps_and_the_history_as_they_were(local_dir, tmp_path):
+    """The step is only in the tier, its copy there bad, every slot holding a newer step:
+    the rollback fails; the newer steps stay loadable (but the one whose slot the download
+    took), and a save after the refusal goes on from the live state's timeline (the older
+    steps can still be rolled back to)."""
+    tier = str(tmp_path / "tier")
+    state = {"w": torch.zeros(64), "extra": {"step": -1}}
+    with _ckpt(local_dir, persistent=tier, persistent_every=1000, keep=2) as ck:
+        for step in (10, 20, 30, 40, 50, 60):
+            state["w"].fill_(float(step))
+            h = ck.save(step, state, persist=True if step in (10, 30, 50) else None)
+            h.wait()
+            h.persisted.result(30)
+    _flip(glob.glob(f"{tier}/roll/step-*30/rank-00000.safetensors")[0])
+    held = sorted(n for n in os.listdir(f"{local_dir}/roll/rank-00000") if n.endswith(".json"))
+    assert held == [f"step-{s:012d}.json" for s in (40, 50, 60)], held  # every slot (keep=2, +1: a tier)
+    state = _fresh()
+    with _ckpt(local_dir, persistent=tier, keep=2) as ck:
+        with pytest.raises(incluster.NoCheckpointError, match=r"load\(step=30\).*failed verification"):
+            ck.load(state, step=30)
+        assert torch.equal(state["w"], torch.full((64,), -1.0))
+        assert ck.load(state) == 60
+        with pytest.raises(incluster.NoCheckpointError, match="step 55"):
+            ck.load(state, step=55)
+        state["w"].fill_(70.0)
+        ck.save(70, state).wait()
+    with _ckpt(local_dir, persistent=tier, keep=2) as ck:
+        assert ck.load(state, step=50) == 50 and torch.equal(state["w"], torch.full((64,), 50.0))
+
+
+def test_the_tier_steps_a_rollback_left_are_never_restored(local_dir, tmp_path):
+    """Rolled back to 10, then the cluster's RAM lost before any save of the new timeline
+    reached the tier: the restore takes 10, not the abandoned 30."""
+    tier = str(tmp_path / "tier")
+    state = {"w": torch.zeros(64), "extra": {"step": -1}}
+    with _ckpt(local_dir, persistent=tier, persistent_keep=4) as ck:
+        for step in (10, 20, 30):
+            state["w"].fill_(float(step))
+            assert ck.save(step, state, persist=True).persisted.result(30) is True
+        assert ck.load(state, step=10) == 10
+    shutil.rmtree(local_dir + "/roll")
+    state = _fresh()
+    with _ckpt(local_dir, persistent=tier) as ck:
+        assert ck.load(state) == 10 and ck.last_restore.source == "persistent"
+        assert torch.equal(state["w"], torch.full((64,), 10.0))
+
+
+def test_a_ring_frees_committed_slots_whose_record_is_gone(local_dir):
+    with _ckpt(local_dir) as ck:
+        for step in (2, 4, 6):
+            ck.save(step, {"w": torch.full((64,), float(step))}).wait()
+        os.unlink(glob.glob(f"{ck.folder}/step-*4.json")[0])  # un-committed on disk (abandon_newer)
+        ck.ring.forget_unmarked()
+        assert ck.ring.committed_steps() == [2, 6]

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from incluster.errors import CorruptCheckpointError, TierUnavailableError
+from incluster.errors import CheckpointError, CorruptCheckpointError, TierUnavailableError
 from incluster.recovery import lineage
 from incluster.recovery.plan import RankPlan
 
@@ -254,6 +254,26 @@ def set_aside(ctx: Any, step: int, problem: Problem) -> None:
     from incluster.tier_layout import set_aside as mark
 
     mark(ctx.persistent, ctx.job, step, problem.text)
+
+
+def abandon_in_tier(tier: Any, job: str, step: int) -> None:
+    """After ``load(step=N)`` (rank 0): the tier's steps newer than N are of the timeline
+    the rollback left. Set aside, so that no restore before this run's next upload takes
+    one (a restart, or the cluster's RAM lost); an upload of this run's own step of that
+    number clears the mark. Best effort: a tier that cannot be listed is said once."""
+    if tier is None:
+        return
+    from incluster.tier_layout import list_steps, set_aside as mark
+
+    try:
+        steps = list_steps(tier, job, LIST_TIMEOUT_S)
+    except CheckpointError as exc:
+        log.warning("incluster: the persistent tier's steps newer than step %d could not be listed (%s): until this "
+                    "run's next upload there, a restore with the cluster's RAM lost may take one of them", step, exc)
+        return
+    for newer, usable in steps.items():
+        if newer > step and usable:
+            mark(tier, job, newer, f"abandoned by load(step={step}), which rolled the run back past it")
 
 
 class _LocalError(Exception):

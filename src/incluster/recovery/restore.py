@@ -211,7 +211,7 @@ class _Run:
                 return
             if mine.persistent is not None:
                 if self.loaded != mine.step and not ctx.ring.room_for_restore(mine.step):
-                    self._settle(mine)  # every slot holds a newer step: the tier's step replaces them
+                    self._make_room(mine)  # every slot holds a newer step: the tier's step replaces them
                 problem = None if self.loaded == mine.step else self._download(mine)
                 if problem is not None:
                     log.warning("incluster: %s; the persistent step is %s", problem,
@@ -239,7 +239,7 @@ class _Run:
                     o.reader.close()
                 continue
             if mine.source is not None and self.loaded != mine.step and not ctx.ring.room_for_restore(mine.step):
-                self._settle(mine)  # every slot holds a newer step: make room for the node's copy
+                self._make_room(mine)  # every slot holds a newer step: make room for the node's copy
             bad, healed = self._transfer(mine, outgoing), []
             if mine.source is not None and self.loaded == mine.step:
                 self.came_from = (mine.step, mine.source, mine.source_node)
@@ -260,6 +260,14 @@ class _Run:
             ctx.heal, self.received = self.received, None
             return
         raise CheckpointError(f"restore did not settle after {MAX_ROUNDS} rounds of re-planning; see the log for bad copies")
+
+    def _make_room(self, mine: RankPlan) -> None:
+        """Every slot holds a step newer than ``mine.step``, which is to land in one. A
+        rollback (``load(step=N)``) gives up only the oldest of them, so that one that then
+        fails leaves the others loadable; a plain restore settles at once (its newer steps
+        are not complete anywhere)."""
+        if self.ctx.only_step is None or mine.step is None or not self.ctx.ring.room_beside_newer(mine.step):
+            self._settle(mine)
 
     def _settle(self, mine: RankPlan) -> None:
         """Training goes on from ``mine.step``: newer steps on this node are an abandoned

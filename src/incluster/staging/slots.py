@@ -281,22 +281,34 @@ class SlotRing(SlotFiles):
         with self._cond:
             return [s for s in self.slots if s.state is SlotState.FREE and not s.uploading]
 
+    def room_beside_newer(self, step: int) -> bool:
+        """A rollback to ``step`` with every slot holding a newer one: the oldest of them
+        that no upload reads is dropped (only it: should the rollback fail, the others
+        stay loadable). False when there is none."""
+        with self._cond:
+            newer = [s.step for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None
+                     and s.step > step and not s.uploading]
+            if not newer:
+                return False
+            self._discard(min(newer))
+            self._cond.notify_all()
+            return True
+
     def discard(self, step: int) -> None:
         """Un-commit a step found corrupt: its sidecar goes, its slot becomes free."""
         with self._cond:
             self._discard(step)
             self._cond.notify_all()
 
-    def forget_unmarked(self, step: int) -> None:
-        """Committed slots of ``step`` or newer whose commit marker is gone from disk become
-        free: a restore that went back un-committed them there (``recovery.node.abandon_newer``),
+    def forget_unmarked(self) -> None:
+        """Committed slots whose commit marker is gone from disk become free: a restore that went back un-committed them there (``recovery.node.abandon_newer``),
         and a writer's replica ring, in memory since before it, must take the new timeline's
         steps beside them (not refuse them as older than what it holds)."""
         with self._cond:
             for s in list(self.slots):
-                if (s.state is SlotState.COMMITTED and s.step is not None and s.step >= step
+                if (s.state is SlotState.COMMITTED and s.step is not None
                         and not os.path.exists(os.path.join(self.folder, sidecar_file(s.step)))):
-                    self._discard(s.step)
+                    self._discard(s.step)  # any step: no marker, no step (never loadable, nor kept)
             self._cond.notify_all()
 
     def _discard(self, step: int) -> None:
