@@ -44,6 +44,7 @@ log = logging.getLogger("incluster")
 MAX_WRITER_RESTARTS = 3  # per Checkpointer: a writer that keeps dying has a cause to find
 EARLY_WORDS = 64  # upload outcomes kept for saves whose commit is not handled yet
 _NO_WORD = object()
+SUPERSEDED = "superseded by a newer save before its writer process had started"  # saving._supersede
 
 
 def _sidecar_of(folder: str, step: int, job: StageJob) -> bool:
@@ -185,8 +186,7 @@ class SavePipeline:
                     writer = self._writer if self._writer_gone() is not None else self._live_writer()
                 except Exception:  # noqa: BLE001 - no successor: a dead writer's fail() publishes from here
                     writer = self._writer
-                writer.fail(job.step, f"hand-off: superseded on rank {self.rank} by step {step} before its writer "
-                                      f"process had started", seq)
+                writer.fail(job.step, f"hand-off: {SUPERSEDED} (on rank {self.rank}, by step {step})", seq)
             return tell
 
         key = self._handover.supersede(tell_instead)
@@ -194,10 +194,10 @@ class SavePipeline:
             return
         job, handle = key
         err = CheckpointError(
-            f"step {job.step} was not saved: save({step}) took its slot while it still waited for this rank's "
-            f"writer process to start (a fresh interpreter importing torch), as saves came faster than that "
-            f"start; the newer steps go on as usual. To keep every early step, save less often in the first "
-            f"seconds or pass keep=3 or more")
+            f"step {job.step} was not saved ({SUPERSEDED}): save({step}) took its slot while it still waited for "
+            f"this rank's writer process to start (a fresh interpreter importing torch), as saves came faster "
+            f"than that start; the newer steps go on as usual. To keep every early step, save less often in the "
+            f"first seconds or pass keep=3 or more")
         err.from_peer = True  # type: ignore[attr-defined]  # wait() and the handle say it; no later save() raises it
         log.log(logging.INFO if self._said_superseded else logging.WARNING, "incluster: rank %d: %s%s", self.rank,
                 err, "" if self._said_superseded else " (said once; later ones at INFO)")
@@ -424,7 +424,10 @@ class SavePipeline:
     def _tell_failed(self, job: StageJob, handle: SaveHandle, err: BaseException) -> None:
         """Report ``job.step`` as not durable: the event, wait()'s error, the handle."""
         err = own_error(err, job.step)
-        self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err))
+        # A step given up for a newer one (here or on another rank): not a failure of the
+        # checkpointing, counted apart by the goodput report.
+        given_up = {"superseded": True} if SUPERSEDED in str(err) else {}
+        self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err), **given_up)
         with self._lock:
             self._errors.append((handle, err))
         for fut in (job.staged, handle.durable):

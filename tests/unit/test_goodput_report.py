@@ -304,3 +304,17 @@ def test_close_time_is_save_time_once_even_inside_a_window_of_lost_work(tmp_path
     acc = build_report(tmp_path).per_rank[0]
     assert acc["checkpoint_save"] == pytest.approx(28)
     assert acc["lost_progress"] == pytest.approx(33 - 3.5 - 28)  # from its save of step 1 to its end, less close()
+
+
+def test_saves_given_up_for_a_newer_one_are_not_counted_as_failures(tmp_path: Path) -> None:
+    """A save superseded while the writer process started (on this rank, or told by
+    another) is counted apart: no step could be durable before that start."""
+    write(tmp_path, 0, 1, [
+        (0, "start", {}),
+        *[(0.1 * s, "save", {"step": s, "blocked_s": 0.001}) for s in (1, 2, 3, 4)],
+        (1, "save_failed", {"step": 1, "error": "step 1 was not saved (superseded ...)", "superseded": True}),
+        (2, "save_failed", {"step": 2, "error": "the RAM disk is full"}),
+        (3, "end", {}),
+    ])
+    c = build_report(tmp_path).checkpoints
+    assert (c.saves, c.save_failures, c.save_superseded) == (4, 1, 1)

@@ -171,6 +171,9 @@ class CheckpointStats:
     """``save()`` calls recorded."""
     save_failures: int
     """Saves that failed in the background."""
+    save_superseded: int = 0
+    """Saves given up for a newer one while a writer process was starting (not failures:
+    no step could be durable before that start; see ``Checkpointer.save``)."""
     blocked_p50_s: float | None
     """Median seconds ``save()`` blocked."""
     blocked_p99_s: float | None
@@ -220,7 +223,8 @@ def checkpoint_stats(runs: dict[int, list[Attempt]]) -> CheckpointStats:
         sources[src] = sources.get(src, 0) + 1
     return CheckpointStats(
         saves=len(blocked),
-        save_failures=len(of(ev.SAVE_FAILED)),
+        save_failures=sum(1 for e in of(ev.SAVE_FAILED) if not e.get("superseded")),
+        save_superseded=sum(1 for e in of(ev.SAVE_FAILED) if e.get("superseded")),
         blocked_p50_s=percentile(blocked, 50),
         blocked_p99_s=percentile(blocked, 99),
         staged_p50_s=percentile(staged, 50),
@@ -364,6 +368,8 @@ def render(report: GoodputReport, console: Any = None) -> None:
         st.add_row(f"save → durable ({tier})", str(int(d["count"] or 0)), _fmt(d["p50_s"]),
                    _fmt(d["p99_s"]))
     st.add_row("save failures", str(c.save_failures), "", "")
+    if c.save_superseded:
+        st.add_row("given up for a newer save", str(c.save_superseded), "", "")  # the writer starting
     if c.persist_failures or c.persist_skips:
         st.add_row("persistent uploads failed / skipped", f"{c.persist_failures} / {c.persist_skips}", "", "")
     st.add_row(f"load() ({c.load_bytes / 2**30:.2f} GiB in all)", str(c.loads),
