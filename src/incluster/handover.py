@@ -75,16 +75,19 @@ class HandOver:
         except RuntimeError:  # the executor is shut down (closing, or the interpreter exiting)
             self.flush()
 
-    def supersede(self, instead: Callable[[Any], Callable[[], None]]) -> Any:
-        """The key of the oldest queued action that has one and is not running, its
-        action replaced in place by ``instead(key)`` (so the writer still hears of its
-        step in order); None if there is none."""
+    def supersede(self, instead: Callable[[Any], Callable[[], None]],
+                  spare: Callable[[Any], bool] = lambda _: False) -> Any:
+        """The key of the oldest queued action that has one and is not running - one
+        ``spare(key)`` is False for if there is such - its action replaced in place by
+        ``instead(key)`` (so the writer still hears of its step in order); None if there
+        is none."""
         with self._lock:
-            for entry in self._queue:
-                if entry[1] is not None and entry is not self._running:
-                    key, entry[1] = entry[1], None
-                    entry[0] = instead(key)
-                    return key
+            for spared in (False, True):
+                for entry in self._queue:
+                    if entry[1] is not None and entry is not self._running and spare(entry[1]) == spared:
+                        key, entry[1] = entry[1], None
+                        entry[0] = instead(key)
+                        return key
         return None
 
     def flush(self) -> None:

@@ -189,7 +189,8 @@ class SavePipeline:
                 writer.fail(job.step, f"hand-off: {SUPERSEDED} (on rank {self.rank}, by step {step})", seq)
             return tell
 
-        key = self._handover.supersede(tell_instead)
+        # A save(persist=True) (the run's last step, say) is given up only if every one is.
+        key = self._handover.supersede(tell_instead, spare=lambda k: bool(k[0].persist))
         if key is None:
             return
         job, handle = key

@@ -211,6 +211,26 @@ def test_a_save_finding_every_slot_held_for_the_writer_start_takes_the_oldest_on
         assert ck.load(target) == 4 and torch.equal(target["w"], torch.full((10,), 4.0))
 
 
+def test_a_save_asked_to_persist_is_given_up_last(local_dir, tmp_path, monkeypatch):
+    faults = FaultInjector().fail_at(phase="writer-start", step=0, action="slow", seconds=3.0)
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="w", keep=2, persistent=str(tmp_path / "tier"),
+                                persistent_every=1000) as ck:
+        handles = [ck.save(1, {"w": torch.ones(10)}, persist=True)]
+        handles += [ck.save(step, {"w": torch.full((10,), float(step))}) for step in (2, 3)]
+        deadline = time.monotonic() + 30
+        while ck._handover.waiting < 3:  # 3 slots (keep=2, +1: a tier), each held by a queued save
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        handles.append(ck.save(4, {"w": torch.full((10,), 4.0)}))
+        assert not ck._writer.started.done()
+        with pytest.raises(incluster.CheckpointError, match=r"step 2 was not saved \(superseded"):
+            handles[1].wait(60)
+        for h in (handles[0], handles[2], handles[3]):
+            h.wait(60)
+        assert handles[0].persisted.result(60) is True
+
+
 def test_a_failure_told_while_the_writer_starts_reaches_it_even_when_close_follows(local_dir, monkeypatch):
     """A refused save's FAIL waits for the writer's start; close() right after, with no
     save pending, must still hand it over (the other ranks would wait slot_timeout_s)."""
