@@ -9,7 +9,10 @@ first step - while the cluster's RAM, gone with the job's nodes, held newer ones
 - the newest due step's upload was skipped (every rank learns the same outcome from the
   job store: a skip on one rank is published to all; with ``persistent_interval_s``, the
   newest save whose word was not "not due"), or
-- ``persist_last`` is set (the integrations set it) and the tier does not have it.
+- ``persist_last`` is set (the integrations set it) and the tier does not have it, or
+- a save was given up for a newer one while a writer process started (``saving._supersede``;
+  the step fails on every rank with one marker): its upload, due or not, may be the one
+  the tier lacks - a run shorter than that start kept nothing there before.
 
 Every rank decides from the same facts - which steps were due, which are durable, each
 upload's published outcome - so every rank uploads its shard, or none does. An upload
@@ -47,7 +50,8 @@ def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
         return None
     timeline, step, handle = ckpt._newest_durable
     due = ckpt._newest_due
-    if due is None and not ckpt.persist_last:
+    asked = ckpt.persist_last or ckpt._given_up
+    if due is None and not asked:
         return None
     # Half of close()'s wait at most: the rest is the writer's, for the uploads in flight.
     grace = time.monotonic() + (deadline - time.monotonic()) / 2
@@ -70,7 +74,7 @@ def catch_up(ckpt: Any, deadline: float) -> SaveHandle | None:
     if due_word is None:
         return None  # the newest due upload failed, or its word did not come: no more uploads to that tier
     skipped = due is not None and due_word is False and not not_due(due[2])
-    if _word(handle, grace) is not False or not (skipped or ckpt.persist_last):
+    if _word(handle, grace) is not False or not (skipped or asked):
         return None  # in the tier already, failed, no word; or nothing asks for it
     slot = next((s for s in ckpt.ring.slots if s.step == step and s.state is SlotState.COMMITTED), None)
     if slot is None:  # the newest durable step is never reused; a load() since may have dropped it

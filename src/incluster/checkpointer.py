@@ -31,6 +31,7 @@ from incluster.errors import CheckpointError, PeerTimeoutError, TierUnavailableE
 from incluster.goodput import events as ev
 from incluster.catch_up import catch_up
 from incluster.handle import SaveHandle
+from incluster.early_saves import EarlySaves
 from incluster.handover import HandOver
 from incluster.loading import LoadPipeline
 from incluster.saving import SavePipeline
@@ -49,7 +50,7 @@ from incluster.writer.thread import ThreadWriter
 log = logging.getLogger("incluster")
 
 
-class Checkpointer(SavePipeline, LoadPipeline):
+class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
     """Asynchronous, rank-local checkpoints in the node's RAM disk.
 
     >>> ckpt = Checkpointer(local_dir="/dev/shm/incluster", job="run-7")
@@ -180,6 +181,7 @@ class Checkpointer(SavePipeline, LoadPipeline):
         self._unguarded_warned = False
         self._warned_warm = False
         self._said_superseded = False
+        self._given_up = False
         self._shrunk_to: int | None = None
         self.last_restore: RestoreReport | None = None
         self._old_world: int | None = None  # after a resharding restore: the world it came from
@@ -283,10 +285,8 @@ class Checkpointer(SavePipeline, LoadPipeline):
                                      clone=functools.partial(self._clones.clone, lent=lent))
             if left and not self._unguarded_warned:
                 self._warn_unguarded(left)
-            if self._handover.waiting and step > self.ring.newest_step() and not self.ring.has_room():
-                self._supersede(step)  # not a wait for the writer's start
             try:
-                slot = self.ring.acquire(step, self.config.slot_timeout_s)
+                slot = self._take_slot(step)  # never a wait for the writer's start (early_saves)
             except OSError as exc:  # the RAM folder: not writable, gone, full
                 raise TierUnavailableError(
                     f"save({step}) cannot use this node's RAM folder {self.ring.folder}: {type(exc).__name__}: "
@@ -430,7 +430,9 @@ class Checkpointer(SavePipeline, LoadPipeline):
             job.staged.result(t)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is durable; raise the first background error."""
+        """Block until every save so far has settled; raise the first background error
+        (not another rank's failure, nor a step given up for a newer one while the writer
+        started, once a newer step is durable: their handles say why)."""
         with self._lock:
             pending = [h for h in self._pending if not h.reported]  # each error reaches the caller once
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.slot_timeout_s)

@@ -27,6 +27,9 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 log = logging.getLogger("incluster")
+# In the error of a save given up for a newer one while the writer started, and in the
+# FAIL the other ranks read: how every rank tells such a step from a failed one.
+SUPERSEDED = "superseded by a newer save before its writer process had started"
 
 
 class HandOver:

@@ -28,7 +28,7 @@ from incluster.errors import (CheckpointError, CommitError, PeerTimeoutError, St
                               WriterProcessDied)
 from incluster.goodput import events as ev
 from incluster.handle import SaveHandle
-from incluster.handover import HandOver
+from incluster.handover import SUPERSEDED, HandOver
 from incluster.catch_up import not_due
 from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager, gpu_devices
@@ -44,7 +44,6 @@ log = logging.getLogger("incluster")
 MAX_WRITER_RESTARTS = 3  # per Checkpointer: a writer that keeps dying has a cause to find
 EARLY_WORDS = 64  # upload outcomes kept for saves whose commit is not handled yet
 _NO_WORD = object()
-SUPERSEDED = "superseded by a newer save before its writer process had started"  # saving._supersede
 
 
 def _sidecar_of(folder: str, step: int, job: StageJob) -> bool:
@@ -115,6 +114,7 @@ class SavePipeline:
     _errors: list[tuple[SaveHandle, BaseException]]
     _warned_warm: bool
     _said_superseded: bool  # a save given up for a newer one while the writer started: warned once
+    _given_up: bool  # some step was (here or on another rank): its upload may be the one the tier lacks
     _writer_params: WriterParams
     _writer_lock: threading.Lock
     _writer_restarts: int
@@ -165,59 +165,6 @@ class SavePipeline:
         # Right after each save is staged, on this thread: the other slots are ready
         # (sized, mapped, page-locked) before the next save takes one.
         self._warm(job.layout)
-
-    def _supersede(self, step: int) -> None:
-        """save(``step``) finds every slot held by saves still waiting for the writer's
-        start: the oldest of them gives its slot up, so save() does not wait for that start
-        (1-7 s, a fresh interpreter importing torch). It fails, and the writer is told so
-        in its place among the queued hand-offs (the steps' order holds); the other ranks
-        fail it too, and the newer steps go on. Not once the start is over: the queue is then
-        about to be handed over, and a slot freed by its commit."""
-        started = getattr(self._writer, "started", None)
-        if started is None or started.done():
-            return
-
-        def tell_instead(key: tuple[StageJob, SaveHandle]) -> Any:
-            job = key[0]
-            seq = (job.prev, job.ordinal, job.timeline)
-
-            def tell() -> None:
-                try:
-                    writer = self._writer if self._writer_gone() is not None else self._live_writer()
-                except Exception:  # noqa: BLE001 - no successor: a dead writer's fail() publishes from here
-                    writer = self._writer
-                writer.fail(job.step, f"hand-off: {SUPERSEDED} (on rank {self.rank}, by step {step})", seq)
-            return tell
-
-        # A save(persist=True) (the run's last step, say) is given up only if every one is.
-        key = self._handover.supersede(tell_instead, spare=lambda k: bool(k[0].persist))
-        if key is None:
-            return
-        job, handle = key
-        err = CheckpointError(
-            f"step {job.step} was not saved ({SUPERSEDED}): save({step}) took its slot while it still waited for "
-            f"this rank's writer process to start (a fresh interpreter importing torch), as saves came faster "
-            f"than that start; the newer steps go on as usual. To keep every early step, save less often in the "
-            f"first seconds or pass keep=3 or more")
-        err.from_peer = True  # type: ignore[attr-defined]  # wait() and the handle say it; no later save() raises it
-        log.log(logging.INFO if self._said_superseded else logging.WARNING, "incluster: rank %d: %s%s", self.rank,
-                err, "" if self._said_superseded else " (said once; later ones at INFO)")
-        self._said_superseded = True
-        self._fail(job, handle, err, "hand-off", published=True)
-
-    def _hand_over_queued(self, deadline: float) -> None:
-        """close(): what still waits for the writer's start (a refused save's FAIL, with
-        no save pending) is handed over before the writer is shut down - the other ranks
-        would wait ``slot_timeout_s`` for the step otherwise."""
-        started = getattr(self._writer, "started", None)
-        if not self._handover.waiting or started is None:
-            return
-        try:
-            started.exception(max(0.0, deadline - time.monotonic()))  # the start's outcome, not its error
-            self._stage_pool.submit(self._handover.flush).result(max(1.0, deadline - time.monotonic()))
-        except Exception as exc:  # noqa: BLE001 - close() goes on
-            log.warning("incluster: rank %d: close() could not hand the writer what waited for its start: %s",
-                        self.rank, exc)
 
     def _submit(self, job: StageJob, handle: SaveHandle, req: CommitRequest) -> None:
         """Staging thread, once the writer's start is over: hand the staged save over."""
@@ -428,6 +375,8 @@ class SavePipeline:
         # A step given up for a newer one (here or on another rank): not a failure of the
         # checkpointing, counted apart by the goodput report.
         given_up = {"superseded": True} if SUPERSEDED in str(err) else {}
+        if given_up:  # on every rank alike (a FAIL with the marker): close() catches the tier up (catch_up.py)
+            self._given_up = True
         self.events.record(ev.SAVE_FAILED, step=job.step, error=str(err), **given_up)
         with self._lock:
             self._errors.append((handle, err))

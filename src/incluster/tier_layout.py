@@ -19,6 +19,7 @@ from incluster.errors import TierUnavailableError
 
 log = logging.getLogger("incluster")
 MANIFEST = "COMMITTED.json"
+ROLLED_BACK = "abandoned by load(step="  # how a step a rollback left is set aside (its marker's why)
 SET_ASIDE = "SET_ASIDE.json"  # a restore found a copy of the step bad: passed over, never counted by retention
 STEP_FOLDER = re.compile(r"^step-(\d{12,})$")
 

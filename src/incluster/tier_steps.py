@@ -9,7 +9,8 @@ import logging
 from typing import Any
 
 from incluster.errors import CheckpointError
-from incluster.tier_layout import MANIFEST, SET_ASIDE, STEP_FOLDER, manifested_steps, step_dir
+from incluster.tier_layout import (MANIFEST, ROLLED_BACK, SET_ASIDE, STEP_FOLDER, manifested_steps, set_aside_reason,
+                                   step_dir)
 
 log = logging.getLogger("incluster")
 
@@ -51,6 +52,9 @@ class TierSteps:
                     f"did not call load(): its uploads would fork that job's timeline, and retention would delete "
                     f"them. Call load() first to go on from them, or name a new job")
             self._older_checked = True
+        if newer and not self._newer_told:
+            # a rollback set them aside on purpose (load(step=N)): nothing to tell
+            newer = [s for s in newer if not (set_aside_reason(self.tier, self.job, s) or "").startswith(ROLLED_BACK)]
         if newer and not self._newer_told:
             self._newer_told = True
             log.warning("incluster: the persistent tier holds step(s) %s of job %r, newer than this run's step %d: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -229,6 +230,27 @@ def test_a_save_asked_to_persist_is_given_up_last(local_dir, tmp_path, monkeypat
         for h in (handles[0], handles[2], handles[3]):
             h.wait(60)
         assert handles[0].persisted.result(60) is True
+
+
+def test_a_run_whose_due_saves_were_given_up_ends_with_its_newest_step_in_the_tier(local_dir, tmp_path, monkeypatch):
+    """The README loop from a cold start: every save due for the tier came while the writer
+    started and was given up for a newer one; close() uploads the newest durable step (the
+    tier was left empty, the run believed to outlive its nodes)."""
+    import glob
+
+    faults = FaultInjector().fail_at(phase="writer-start", step=0, action="slow", seconds=2.0)
+    monkeypatch.setenv(*next(iter(faults.env().items())))
+    tier = str(tmp_path / "tier")
+    with incluster.Checkpointer(local_dir=local_dir, job="w", persistent=tier, persistent_every=5) as ck:
+        handles = [ck.save(step, {"w": torch.full((10,), float(step))}) for step in range(0, 200, 10)]
+        assert not ck._writer.started.done()
+    durable = [h.step for h in handles if h.durable.exception() is None]
+    assert durable and len(durable) < len(handles), durable
+    assert glob.glob(f"{tier}/w/step-{durable[-1]:012d}/COMMITTED.json"), glob.glob(f"{tier}/w/*/*")
+    shutil.rmtree(os.path.join(local_dir, "w"))
+    target = {"w": torch.zeros(10)}
+    with incluster.Checkpointer(local_dir=local_dir, job="w", persistent=tier) as ck:
+        assert ck.load(target) == durable[-1] and ck.last_restore.source == "persistent"
 
 
 def test_a_failure_told_while_the_writer_starts_reaches_it_even_when_close_follows(local_dir, monkeypatch):

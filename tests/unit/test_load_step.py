@@ -95,7 +95,7 @@ def test_a_refused_rollback_leaves_the_newer_steps_and_the_history_as_they_were(
     assert held == [f"step-{s:012d}.json" for s in (40, 50, 60)], held  # every slot (keep=2, +1: a tier)
     state = _fresh()
     with _ckpt(local_dir, persistent=tier, keep=2) as ck:
-        with pytest.raises(incluster.NoCheckpointError, match=r"load\(step=30\).*failed verification"):
+        with pytest.raises(incluster.NoCheckpointError, match=r"load\(step=30\).*set aside \(.*checksum mismatch"):
             ck.load(state, step=30)
         assert torch.equal(state["w"], torch.full((64,), -1.0))
         assert ck.load(state) == 60
@@ -107,9 +107,10 @@ def test_a_refused_rollback_leaves_the_newer_steps_and_the_history_as_they_were(
         assert ck.load(state, step=50) == 50 and torch.equal(state["w"], torch.full((64,), 50.0))
 
 
-def test_the_tier_steps_a_rollback_left_are_never_restored(local_dir, tmp_path):
+def test_the_tier_steps_a_rollback_left_are_never_restored(local_dir, tmp_path, caplog):
     """Rolled back to 10, then the cluster's RAM lost before any save of the new timeline
-    reached the tier: the restore takes 10, not the abandoned 30."""
+    reached the tier: the restore takes 10, not the abandoned 30; and the next upload does
+    not warn of the steps the rollback set aside on purpose."""
     tier = str(tmp_path / "tier")
     state = {"w": torch.zeros(64), "extra": {"step": -1}}
     with _ckpt(local_dir, persistent=tier, persistent_keep=4) as ck:
@@ -117,9 +118,15 @@ def test_the_tier_steps_a_rollback_left_are_never_restored(local_dir, tmp_path):
             state["w"].fill_(float(step))
             assert ck.save(step, state, persist=True).persisted.result(30) is True
         assert ck.load(state, step=10) == 10
+        with caplog.at_level("WARNING", logger="incluster"):
+            assert ck.save(11, state, persist=True).persisted.result(30) is True
+        assert not [r for r in caplog.records if "newer than this run's step" in r.getMessage()]
     shutil.rmtree(local_dir + "/roll")
+    shutil.rmtree(tier + "/roll/step-000000000011")  # as if the RAM was lost before that upload
     state = _fresh()
     with _ckpt(local_dir, persistent=tier) as ck:
+        with pytest.raises(incluster.NoCheckpointError, match=r"set aside \(abandoned by load\(step=10\)"):
+            ck.load(state, step=30)
         assert ck.load(state) == 10 and ck.last_restore.source == "persistent"
         assert torch.equal(state["w"], torch.full((64,), 10.0))
 

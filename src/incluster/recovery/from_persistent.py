@@ -263,7 +263,7 @@ def abandon_in_tier(tier: Any, job: str, step: int) -> None:
     number clears the mark. Best effort: a tier that cannot be listed is said once."""
     if tier is None:
         return
-    from incluster.tier_layout import list_steps, set_aside as mark
+    from incluster.tier_layout import ROLLED_BACK, list_steps, set_aside as mark
 
     try:
         steps = list_steps(tier, job, LIST_TIMEOUT_S)
@@ -273,7 +273,7 @@ def abandon_in_tier(tier: Any, job: str, step: int) -> None:
         return
     for newer, usable in steps.items():
         if newer > step and usable:
-            mark(tier, job, newer, f"abandoned by load(step={step}), which rolled the run back past it")
+            mark(tier, job, newer, f"{ROLLED_BACK}{step}), which rolled the run back past it")
 
 
 class _LocalError(Exception):

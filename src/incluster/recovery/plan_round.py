@@ -21,6 +21,7 @@ from incluster.recovery.from_persistent import persistent_plan, tier_manifests
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, scatter_from_zero
 from incluster.recovery.plan import Plan, RankPlan, index_holders, make_plan, nodes_of
 from incluster.recovery.reshard_pieces import Maps
+from incluster.tier_layout import set_aside_reason
 from incluster.topology import Topology
 
 if TYPE_CHECKING:
@@ -107,7 +108,9 @@ def plan_round(
             plans = persisted
         elif plan.step is None and ctx.only_step is not None:
             want = ctx.only_step
+            aside = set_aside_reason(ctx.persistent, ctx.job, want) if ctx.persistent is not None else None
             why = (f": it lacks rank(s) {plan.missing[want]}" if want in plan.missing
+                   else f": the tier's copy is set aside ({aside})" if aside is not None
                    else ": copies of it failed verification (see the log)" if any(e[2] == want for e in exclude)
                    else " (of the timeline restores take now)")
             plans = [f"load(step={want}): no good copy of every rank's shard of step {want} is in the cluster's RAM"

@@ -139,7 +139,7 @@ class Stager:
         # state was on, for save() to mark (None: not needed, or not known yet)
         self.cuda_devices: tuple[int, ...] | None = None
         self.replica_slots = 0  # slots this rank's writer keeps for its partners' replicas
-        self._said_size = False  # the RAM this rank's slots take is said once
+        self._said_size: int | None = None  # the shard size whose RAM was said (once per size)
         self._cuda: Any = None
         self._device: Any = None  # device_snapshot.DeviceSnapshots, at the first GPU save
         self._helper: ThreadPoolExecutor | None = None
@@ -406,8 +406,8 @@ class Stager:
                 "local_dir elsewhere", need / 2**20, where, free / 2**20, self.ring.keep)
 
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
-        if not self._said_size:
-            self._said_size = True
+        if self._said_size != layout.total_size:  # said again when the state grows (prepare() too early)
+            self._said_size = layout.total_size
             mib = layout.total_size / 2**20
             log.info(
                 "incluster: shard is %.1f MiB; this rank takes about %.1f MiB of %s: %d slot files of its "
