@@ -92,8 +92,10 @@ def set_aside(tier: Any, job: str, step: int, why: str) -> None:
         log.warning("incluster: could not mark persistent step %d as set aside (%s); later restores will try it "
                     "again", step, exc)
         return
-    log.warning("incluster: persistent step %d set aside (%s/%s written): later restores pass over it; delete "
-                "that file to have it tried again", step, getattr(tier, "url", tier), path)
+    # A rollback's (load(step=N)) is on purpose, and said once for all its steps by the caller.
+    log.log(logging.INFO if why.startswith(ROLLED_BACK) else logging.WARNING,
+            "incluster: persistent step %d set aside (%s/%s written): later restores pass over it; delete "
+            "that file to have it tried again", step, getattr(tier, "url", tier), path)
 
 
 def set_aside_reason(tier: Any, job: str, step: int) -> str | None:

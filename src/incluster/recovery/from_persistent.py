@@ -271,9 +271,12 @@ def abandon_in_tier(tier: Any, job: str, step: int) -> None:
         log.warning("incluster: the persistent tier's steps newer than step %d could not be listed (%s): until this "
                     "run's next upload there, a restore with the cluster's RAM lost may take one of them", step, exc)
         return
-    for newer, usable in steps.items():
-        if newer > step and usable:
-            mark(tier, job, newer, f"{ROLLED_BACK}{step}), which rolled the run back past it")
+    left = sorted(newer for newer, usable in steps.items() if newer > step and usable)
+    for newer in left:
+        mark(tier, job, newer, f"{ROLLED_BACK}{step}), which rolled the run back past it")
+    if left:
+        log.warning("incluster: load(step=%d) rolled the run back: the persistent tier's step(s) %s are set aside "
+                    "(SET_ASIDE.json in each; no restore takes them; retention deletes them in time)", step, left)
 
 
 class _LocalError(Exception):

@@ -18,7 +18,7 @@ from incluster.format.checksum import verify
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.reader import ShardHeader, header_length, parse_header
 from incluster.format.sidecar import Sidecar
-from incluster.tier_layout import MANIFEST, SET_ASIDE, list_steps, set_aside_reason, step_dir
+from incluster.tier_layout import MANIFEST, ROLLED_BACK, SET_ASIDE, list_steps, set_aside_reason, step_dir
 from incluster.tiers.persistent import FsspecTier
 from incluster.tools.models import Copy, Inventory, Note, size_damage
 
@@ -55,7 +55,8 @@ def scan_persistent(url: str, inv: Inventory) -> None:
                 continue
             if not manifested[step]:
                 why = set_aside_reason(tier, job, step)
-                inv.notes.append(Note(f"{tier.url}/{d}", f"set aside by a restore that found a copy bad ({why}); "
+                by = "a rollback" if (why or "").startswith(ROLLED_BACK) else "a restore that found a copy bad"
+                inv.notes.append(Note(f"{tier.url}/{d}", f"set aside by {by} ({why}); "
                                       f"restores pass over it (delete its {SET_ASIDE} to have it tried again)"))
                 continue
             _scan_remote_step(tier, job, step, d, inv)
