@@ -332,9 +332,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
 
         def publish() -> None:
             try:
-                # A writer gone for good publishes from here (ProcessWriter.fail on a dead one).
-                writer = self._writer if self._writer_gone() is not None else self._live_writer()
-                writer.fail(step, reason, seq)
+                self._tell_writer_failed(step, reason, seq)
             except Exception as err:  # noqa: BLE001 - the caller gets the original error
                 log.warning("incluster: rank %d could not tell the other ranks that step %d failed: %s",
                             self.rank, step, err)
@@ -375,7 +373,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
             log.warning("incluster: prepare() before the first optimizer step: the optimizer's state (Adam's "
                         "moments, momentum buffers) does not exist yet, so the slots made now are too small and "
                         "are made again at the first save; call prepare() after the first optimizer.step()")
-        return self._stage_pool.submit(self._prepare, snap, clones=(self._clones, shapes))
+        return self._stage_pool.submit(self._prepare, snap, clone_shapes=shapes)
 
     def record_step(self, step: int) -> None:
         """Mark training progress (cheap, buffered) so goodput reports can tell exactly

@@ -14,6 +14,7 @@ trainer thread inside ``save()``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -39,8 +40,7 @@ class EarlySaves:
     _stage_pool: Any
     _said_superseded: bool
     # SavePipeline's (annotations only: a method here would shadow it in the Checkpointer)
-    _writer_gone: Callable[[], Any]
-    _live_writer: Callable[[], Any]
+    _tell_writer_failed: Callable[[int, str, tuple[int, int, int]], None]
     _fail: Callable[..., None]
 
     def _take_slot(self, step: int) -> Slot:
@@ -48,8 +48,7 @@ class EarlySaves:
         save that finds every slot held by saves queued for that start takes the oldest
         one's - also when they are queued while it waits - rather than wait for the start."""
         deadline = time.monotonic() + self.config.slot_timeout_s
-        started = getattr(self._writer, "started", None)
-        while started is not None and not started.done():
+        while self._starting():
             if self._handover.waiting and step > self.ring.newest_step() and not self.ring.has_room():
                 self._supersede(step)
             try:
@@ -57,8 +56,12 @@ class EarlySaves:
             except PeerTimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-            started = getattr(self._writer, "started", None)
         return self.ring.acquire(step, max(0.0, deadline - time.monotonic()))
+
+    def _starting(self) -> bool:
+        """Whether the current writer process has not answered its greeting yet."""
+        started = getattr(self._writer, "started", None)
+        return started is not None and not started.done()
 
     def _supersede(self, step: int) -> None:
         """save(``step``) finds every slot held by saves still waiting for the writer's
@@ -67,21 +70,13 @@ class EarlySaves:
         in its place among the queued hand-offs (the steps' order holds); the other ranks
         fail it too, and the newer steps go on. Not once the start is over: the queue is then
         about to be handed over, and a slot freed by its commit."""
-        started = getattr(self._writer, "started", None)
-        if started is None or started.done():
+        if not self._starting():
             return
 
         def tell_instead(key: tuple[StageJob, SaveHandle]) -> Any:
             job = key[0]
-            seq = (job.prev, job.ordinal, job.timeline)
-
-            def tell() -> None:
-                try:
-                    writer = self._writer if self._writer_gone() is not None else self._live_writer()
-                except Exception:  # noqa: BLE001 - no successor: a dead writer's fail() publishes from here
-                    writer = self._writer
-                writer.fail(job.step, f"hand-off: {SUPERSEDED} (on rank {self.rank}, by step {step})", seq)
-            return tell
+            return functools.partial(self._tell_writer_failed, job.step, f"hand-off: {SUPERSEDED} (on rank "
+                                     f"{self.rank}, by step {step})", (job.prev, job.ordinal, job.timeline))
 
         # A save(persist=True) (the run's last step, say) is given up only if every one is.
         key = self._handover.supersede(tell_instead, spare=lambda k: bool(k[0].persist))

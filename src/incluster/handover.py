@@ -42,8 +42,7 @@ class HandOver:
         self._submit = submit
         self._started = started
         self._queue: "collections.deque[list[Any]]" = collections.deque()  # [action, key]
-        self._running: list[Any] | None = None  # the entry the flush is running
-        self._flusher: int | None = None  # the thread running it
+        self._flusher: int | None = None  # the thread running the queue's head (None: no flush runs)
         self._lock = threading.Lock()
 
     @property
@@ -86,8 +85,9 @@ class HandOver:
         is none."""
         with self._lock:
             for spared in (False, True):
-                for entry in self._queue:
-                    if entry[1] is not None and entry is not self._running and spare(entry[1]) == spared:
+                for i, entry in enumerate(self._queue):
+                    running = i == 0 and self._flusher is not None
+                    if entry[1] is not None and not running and spare(entry[1]) == spared:
                         key, entry[1] = entry[1], None
                         entry[0] = instead(key)
                         return key
@@ -97,9 +97,9 @@ class HandOver:
         """Run every queued action in order (each handles its own errors)."""
         while True:
             with self._lock:
-                if not self._queue or (self._running is not None and self._flusher != threading.get_ident()):
+                if not self._queue or (self._flusher is not None and self._flusher != threading.get_ident()):
                     return  # empty, or another thread's flush runs it (one at a time, in order)
-                entry = self._running = self._queue[0]
+                entry = self._queue[0]
                 self._flusher = threading.get_ident()
             try:
                 entry[0]()
@@ -108,4 +108,4 @@ class HandOver:
             finally:
                 with self._lock:
                     self._queue.popleft()
-                    self._running = self._flusher = None
+                    self._flusher = None

@@ -27,6 +27,7 @@ from incluster.commit import Outcome, StoreCoordinator, failed_on
 from incluster.errors import (CheckpointError, CommitError, PeerTimeoutError, StoreLostError, TierUnavailableError,
                               WriterProcessDied)
 from incluster.goodput import events as ev
+from incluster.guard import ClonePool
 from incluster.handle import SaveHandle
 from incluster.handover import SUPERSEDED, HandOver
 from incluster.catch_up import not_due
@@ -122,6 +123,7 @@ class SavePipeline:
     _closed: bool
     _stage_pool: Any
     _handover: HandOver
+    _clones: ClonePool
 
     def _stage(self, job: StageJob, handle: SaveHandle) -> None:
         """Staging thread: copy, then hand the slot to the writer."""
@@ -445,6 +447,16 @@ class SavePipeline:
                 self._writer.replicate(folder, step)
             return self._writer
 
+    def _tell_writer_failed(self, step: int, reason: str, seq: tuple[int, int, int]) -> None:
+        """Tell the writer that ``step`` failed (the other ranks hear it from there); a
+        writer gone for good, or one whose successor cannot start, publishes it from this
+        process (``ProcessWriter.fail`` on a dead one)."""
+        try:
+            writer = self._writer if self._writer_gone() is not None else self._live_writer()
+        except Exception:  # noqa: BLE001 - no successor: the dead writer's fail() publishes from here
+            writer = self._writer
+        writer.fail(step, reason, seq)
+
     def _writer_answered(self) -> None:
         """Staging thread, before a save is handed to the writer: the writer's start is
         over (neither the constructor nor load() waits for it; ``_handover`` runs the
@@ -523,12 +535,12 @@ class SavePipeline:
                 self._warned_warm = True
                 log.warning("incluster: could not prepare checkpoint slots ahead of the next save: %s", exc)
 
-    def _prepare(self, snap: Any, device: bool = True, clones: tuple[Any, list[Any]] | None = None) -> None:
+    def _prepare(self, snap: Any, device: bool = True, clone_shapes: list[Any] | None = None) -> None:
         """Staging thread: ``Checkpointer.prepare`` (``device``: also the device-side
         snapshot buffer; not when ``load()`` prepares, before training has shown how much
-        GPU memory it needs; ``clones``: a ClonePool and the shapes to warm in it)."""
-        if clones is not None:
-            clones[0].warm(clones[1])
+        GPU memory it needs; ``clone_shapes``: the save-time copies to make ahead)."""
+        if clone_shapes:
+            self._clones.warm(clone_shapes)
         flat = self._stager.flattener.flatten(snap)
         layout = self._stager.layouts.get(tuple(flat.specs))
         if device:

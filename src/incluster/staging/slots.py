@@ -200,7 +200,7 @@ class SlotRing(SlotFiles):
     def _restore_slot(self, step: int) -> Slot | None:
         """A free slot, a new one (not yet in the ring), or the oldest committed slot older
         than ``step``; never one holding a newer step or read by an upload."""
-        slot = next((s for s in self.slots if s.state is SlotState.FREE and not s.uploading), None)
+        slot = self._free()
         if slot is None and len(self.slots) < self.keep:
             idx = self._next_index()
             slot = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"))
@@ -270,10 +270,7 @@ class SlotRing(SlotFiles):
     def has_room(self) -> bool:
         """Whether :meth:`acquire` would take a slot now, without waiting."""
         with self._cond:
-            return len(self.slots) < self.keep or any(
-                (s.state is SlotState.FREE or (s.state is SlotState.COMMITTED and s.step is not None
-                                               and s.step < (self.newest_global or -1))) and not s.uploading
-                for s in self.slots)
+            return self._free() is not None or len(self.slots) < self.keep or self._oldest_superseded() is not None
 
     def free_slots(self) -> list[Slot]:
         """Slots that hold nothing and are not read by an upload (for ``prepare``-ing ahead:
@@ -301,9 +298,10 @@ class SlotRing(SlotFiles):
             self._cond.notify_all()
 
     def forget_unmarked(self) -> None:
-        """Committed slots whose commit marker is gone from disk become free: a restore that went back un-committed them there (``recovery.node.abandon_newer``),
-        and a writer's replica ring, in memory since before it, must take the new timeline's
-        steps beside them (not refuse them as older than what it holds)."""
+        """Committed slots whose commit marker is gone from disk become free: a restore that
+        went back un-committed them there (``recovery.node.abandon_newer``), and a writer's
+        replica ring, in memory since before it, must take the new timeline's steps beside
+        them (not refuse them as older than what it holds)."""
         with self._cond:
             for s in list(self.slots):
                 if (s.state is SlotState.COMMITTED and s.step is not None
@@ -413,22 +411,24 @@ class SlotRing(SlotFiles):
             return True
 
     def _pick(self) -> Slot | None:
-        for s in self.slots:
-            if s.state is SlotState.FREE and not s.uploading:
-                return s
+        """A free slot, else a new one (the ring not full yet), else the oldest one whose
+        step a newer committed everywhere supersedes; None (nothing to take now)."""
+        s = self._free()
+        if s is not None:
+            return s
         if len(self.slots) < self.keep:
             idx = self._next_index()
             s = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"))
             self.slots.append(s)
             return s
-        old = [
-            s
-            for s in self.slots
-            if s.state is SlotState.COMMITTED
-            and s.step is not None
-            and s.step < (self.newest_global or -1)
-            and not s.uploading
-        ]
+        return self._oldest_superseded()
+
+    def _free(self) -> Slot | None:
+        return next((s for s in self.slots if s.state is SlotState.FREE and not s.uploading), None)
+
+    def _oldest_superseded(self) -> Slot | None:
+        old = [s for s in self.slots if s.state is SlotState.COMMITTED and s.step is not None
+               and s.step < (self.newest_global or -1) and not s.uploading]
         return min(old, key=lambda s: s.step or 0) if old else None
 
     def _uncommit(self, slot: Slot) -> None:
