@@ -173,7 +173,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
         if self.config.writer == "process" and self.config.gpu_drain == "writer":
             from incluster.staging.remote_drain import RemoteDrain
 
-            self._stager.remote = RemoteDrain(lambda: self._writer, self._free_slot_files)
+            self._stager.remote = RemoteDrain(lambda: self._writer, self._mapped_slot_files)
             self._stager.remote_timeout_s = self.config.slot_timeout_s
             self._writer.drain_listener = self._stager.remote  # type: ignore[union-attr]
         self._guard = StepGuard(self._pre_step_hook)  # every optimizer step in the process
@@ -227,9 +227,10 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
         remote = self._stager.remote
         return bool(remote is not None and remote.is_open(self._writer))
 
-    def _free_slot_files(self) -> list[tuple[int, str, int, int]]:
-        """(index, path, size, mapping generation) of the free, mapped slot files: the writer page-locks them."""
-        return [(s.index, s.path, s.size, s.maps) for s in self.ring.free_slots() if s.buf is not None and s.size]
+    def _mapped_slot_files(self) -> list[tuple[int, str, int, int]]:
+        """(index, path, size, mapping generation) of the slot files mapped here, free or
+        mapped ahead: the writer page-locks them before a drain does."""
+        return [(s.index, s.path, s.size, s.maps) for s in self.ring.mapped_slots()]
 
     @property
     def writer_pid(self) -> int | None:

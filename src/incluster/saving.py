@@ -528,6 +528,7 @@ class SavePipeline:
             ahead = self.ring.next_taken(layout.total_size)
             if ahead is not None:
                 self._stager.map_ahead(ahead, layout.total_size)
+            self._stager.pin_remote()
         except Exception as exc:  # noqa: BLE001 - warming is an optimisation only
             if self._fit_ring(exc, layout.total_size):
                 return

@@ -18,14 +18,18 @@ class FakeWriter:
         self.gen = gen
         self.dead = None
         self.shared: list[tuple[int, object, list]] = []
+        self.pinned: list[list] = []
 
     def share_device_buffer(self, buf_id, buf, slots):
         self.shared.append((buf_id, buf, slots))
 
+    def pin_slot_files(self, slots):
+        self.pinned.append(slots)
 
-def _remote(writer):
+
+def _remote(writer, files=None):
     box = {"w": writer}
-    return RemoteDrain(lambda: box["w"], lambda: [(0, "/x", 8)]), box
+    return RemoteDrain(lambda: box["w"], lambda: list(files if files is not None else [(0, "/x", 8, 1)])), box
 
 
 def test_a_buffer_is_used_only_once_the_current_writer_has_it_open():
@@ -88,3 +92,33 @@ def test_each_steps_drain_time_is_kept_until_its_commit_takes_it():
     assert t5 is not None and t6 is not None and t5 <= t6
     assert r.drained_at(5) is None  # taken once
     assert r.drained_at(7) is None  # never drained
+
+
+def test_slots_mapped_after_the_buffer_was_shared_are_page_locked_ahead_by_that_writer():
+    # After a restart the slot the next save takes over is mapped ahead, after the buffer
+    # was shared: the writer is told to page-lock it then, not in the drain into it.
+    files = [(0, "/s0", 8, 1)]
+    w = FakeWriter(1)
+    r, box = _remote(w, files)
+    buf = object()
+    r.offer(buf)
+    assert w.shared[0][2] == [(0, "/s0", 8, 1)]
+    r.pin_ahead()
+    assert w.pinned == []  # not open yet: nothing to tell
+    r.on_ready(1, r.buf_id, None)
+    r.pin_ahead()
+    assert w.pinned == []  # every mapped slot was in the offer
+    files.append((1, "/s1", 8, 1))  # mapped ahead
+    r.pin_ahead()
+    r.pin_ahead()
+    assert w.pinned == [[(1, "/s1", 8, 1)]]  # told once
+    files[0] = (0, "/s0", 8, 2)  # re-mapped (cut and grown back): its new pages
+    r.pin_ahead()
+    assert w.pinned[-1] == [(0, "/s0", 8, 2)]
+    # a restarted writer is offered every mapped slot with the buffer, and told of no old one
+    box["w"] = w2 = FakeWriter(2)
+    r.offer(buf)
+    assert w2.shared[0][2] == files
+    r.on_ready(2, r.buf_id, None)
+    r.pin_ahead()
+    assert w2.pinned == []

@@ -321,6 +321,12 @@ class Stager:
         if self.remote is not None and self._device is not None and self._device.buf is not None:
             self.remote.offer(self._device.buf)
 
+    def pin_remote(self) -> None:
+        """Off the training path: the writer process page-locks the slots mapped since it
+        opened the snapshot (``RemoteDrain.pin_ahead``)."""
+        if self.remote is not None:
+            self.remote.pin_ahead()
+
     def ready(self, slot: Slot, layout: Layout) -> None:
         """Off the training path: the slot sized, mapped, headed for ``layout`` (and
         page-locked when ``pin``), so the save that takes it next only copies."""

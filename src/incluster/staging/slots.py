@@ -278,6 +278,14 @@ class SlotRing(SlotFiles):
         with self._cond:
             return [s for s in self.slots if s.state is SlotState.FREE and not s.uploading]
 
+    def mapped_slots(self) -> list[Slot]:
+        """Slots mapped in this process, free or holding a step (the one mapped ahead of
+        the save that takes it over, after a restart): the writer page-locks its own
+        mappings of them before a drain needs them."""
+        with self._cond:
+            return [s for s in self.slots if s.buf is not None and s.size
+                    and s.state in (SlotState.FREE, SlotState.COMMITTED)]
+
     def room_beside_newer(self, step: int) -> bool:
         """A rollback to ``step`` with every slot holding a newer one: the oldest of them
         that no upload reads is dropped (only it: should the rollback fail, the others

@@ -55,12 +55,16 @@ class DeviceDrains:
                 self.stream = torch.cuda.Stream(device=device)
         except Exception as exc:  # noqa: BLE001 - reported; the trainer drains itself then
             return f"{type(exc).__name__}: {exc}"
-        for index, path, size, gen in slots:  # ahead of time only: a drain pins what is missing
+        self.pin_files(slots)
+        return None
+
+    def pin_files(self, slots: list[tuple[int, str, int, int]]) -> None:
+        """Map and page-lock slot files ahead of the drains into them (a drain pins what is missing)."""
+        for index, path, size, gen in slots:
             try:
                 self.pin(self.service.map_slot(str(index), path, size, populate=False, gen=gen))
             except (OSError, ValueError):
                 pass  # the slot was renamed or resized by the trainer meanwhile: pinned when drained into
-        return None
 
     def start(self, req: CommitRequest, copied: Any = None) -> list[Future[str]]:
         """Copy the request's runs of the buffer into its slot; returns once the buffer is

@@ -229,6 +229,10 @@ class ProcessWriter:
         _, args = reduce_tensor(buf)
         self._send(Message(Kind.DEVICE_BUFFER, self.gen, payload=(buf_id, args, buf.device.index or 0, slots)))
 
+    def pin_slot_files(self, slots: list[tuple[int, str, int, int]]) -> None:
+        """Slot files mapped since the buffer was shared: page-locked by the writer now."""
+        self._send(Message(Kind.PIN_SLOTS, self.gen, payload=slots))
+
     def persist_again(self, folder: str, step: int, timeline: int) -> None:
         try:
             self._send(Message(Kind.PERSIST_AGAIN, self.gen, step=step, payload=(folder, timeline)))

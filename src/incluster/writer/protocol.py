@@ -30,6 +30,7 @@ class Kind(enum.Enum):
     BYE = "bye"  # writer -> trainer: shut down cleanly
     PERSISTED = "persisted"  # writer -> trainer: the step's upload ended (error None = in the manifest)
     DEVICE_BUFFER = "device_buffer"  # trainer -> writer: (id, CUDA IPC args, device, slots to page-lock)
+    PIN_SLOTS = "pin_slots"  # trainer -> writer: slot files to page-lock now (payload: as DEVICE_BUFFER's)
     DEVICE_READY = "device_ready"  # writer -> trainer: the buffer is open (payload: id; error: why not)
     DRAINED = "drained"  # writer -> trainer: done reading the device-side snapshot for this step
     PERSIST_AGAIN = "persist_again"  # trainer -> writer: upload a committed step now (payload: (folder, timeline))

@@ -218,6 +218,9 @@ def serve(conn: Connection) -> None:
             except Exception as exc:  # noqa: BLE001 - e.g. CUDA cannot start here
                 err_text = f"{type(exc).__name__}: {exc}"
             send(Message(Kind.DEVICE_READY, gen, payload=msg.payload[0], error=err_text))
+        elif msg.kind is Kind.PIN_SLOTS:
+            if drains is not None:
+                drains.pin_files(msg.payload)
         elif msg.kind is Kind.PERSIST_AGAIN:  # behind the commits before it
             def again(step: int = msg.step, folder: str = msg.payload[0], timeline: int = msg.payload[1]) -> None:
                 service.upload_committed(folder, step, timeline, lambda err: send(
