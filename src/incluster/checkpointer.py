@@ -37,6 +37,7 @@ from incluster.loading import LoadPipeline
 from incluster.saving import SavePipeline
 from incluster.guard import ClonePool, StepGuard
 from incluster.recovery.restore import RestoreReport
+from incluster.reporting import ErrorReports, add_note
 from incluster.replication import announce_writer
 from incluster.staging.engine import StageJob, Stager
 from incluster.staging.slots import Slot, SlotRing
@@ -50,7 +51,7 @@ from incluster.writer.thread import ThreadWriter
 log = logging.getLogger("incluster")
 
 
-class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
+class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
     """Asynchronous, rank-local checkpoints in the node's RAM disk.
 
     >>> ckpt = Checkpointer(local_dir="/dev/shm/incluster", job="run-7")
@@ -267,7 +268,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
                 self._check_usable(peers=False)  # an earlier background error of this rank surfaces here
             except CheckpointError as exc:
                 if not self._closed:
-                    _note(exc, f"save({step}) raised this error of an earlier save instead of starting: step "
+                    add_note(exc, f"save({step}) raised this error of an earlier save instead of starting: step "
                                f"{step} is not saved (on any rank); the next save() goes on as usual")
                 raise
             gone = self._writer_gone()
@@ -428,54 +429,6 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
         if job is not None:
             job.staged.result(t)
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far has settled; raise the first background error
-        (not another rank's failure, nor a step given up for a newer one while the writer
-        started, once a newer step is durable: their handles say why)."""
-        with self._lock:
-            pending = [h for h in self._pending if not h.reported]  # each error reaches the caller once
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.slot_timeout_s)
-        for h in pending:
-            try:
-                h.durable.result(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise PeerTimeoutError(f"step {h.step} did not become durable in time") from None
-            except BaseException:
-                pass  # collected in self._errors, raised below
-        with self._lock:
-            self._pending = [h for h in self._pending if not h.durable.done()]
-        self._raise_errors()
-
-    def _raise_errors(self, peers: bool = True) -> None:
-        """Raise the first background error not raised yet, the later ones named in a note
-        (each raised once: two failed saves refused two later save() calls before). ``peers=False`` (save()) keeps
-        other ranks' failures for wait(): raised by save(), such an error would fail this
-        rank's new step too, which the other ranks would then raise at their next save(),
-        and so on - no step saved again."""
-        newest = self.ring.newest_global
-        with self._lock:
-            # Another rank's failure of a step older than one durable since: logged when it
-            # happened, superseded now (close() would raise it hours later otherwise).
-            kept = [e for e in self._errors if not (_from_peer(e[1]) and newest is not None and e[0].step < newest)]
-            errors = kept if peers else [e for e in kept if not _from_peer(e[1])]
-            self._errors = [e for e in kept if e not in errors]
-        errors = [(h, e) for h, e in errors if not h.reported]
-        if not errors:
-            return
-        for handle, _ in errors:  # all of them reach the caller now: none refuses a later save() again
-            handle.reported = True
-        first = errors[0][1]
-        if len(errors) > 1:
-            _note(first, _more_failed(errors[1:]))
-        raise first
-
-    def _check_usable(self, peers: bool = True) -> None:
-        if self._closed:
-            raise CheckpointError("this Checkpointer is closed; create a new one")
-        self._raise_errors(peers)
-        with self._lock:
-            self._pending = [h for h in self._pending if not h.durable.done()]
-
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:
         """Drain every save in flight, stop the background threads, unmap the slots."""
@@ -562,23 +515,3 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline):
             from incluster.staging import cuda
 
             cuda.unregister(slot)
-
-
-def _note(exc: BaseException, text: str) -> None:
-    """``exc.add_note(text)``; on Python 3.10, which has no notes, appended to its message."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(text)
-    else:
-        exc.args = (f"{exc.args[0] if exc.args else ''} ({text})", *exc.args[1:])
-
-
-def _more_failed(later: list[tuple[SaveHandle, BaseException]]) -> str:
-    """The note on the first of several background errors raised at once: the others."""
-    shown = [f"step {h.step}: {type(e).__name__}: {str(e)[:160]}" for h, e in later[:4]]
-    more = f"; and {len(later) - 4} more" if len(later) > 4 else ""
-    return f"{len(later)} later save(s) failed too (not raised again): " + "; ".join(shown) + more
-
-
-def _from_peer(err: BaseException) -> bool:
-    """Another rank's failure (tagged by ``SavePipeline._fail``)."""
-    return getattr(err, "from_peer", False)

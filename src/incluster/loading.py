@@ -60,7 +60,7 @@ class LoadPipeline:
     _saves: int
     # the Checkpointer's own (and SavePipeline's) methods this half calls
     wait: Callable[..., None]
-    _check_usable: Callable[[], None]
+    _check_usable: Callable[..., None]
     _live_writer: Callable[[], Any]
     _writer: Any
     _prepare: Callable[..., None]
