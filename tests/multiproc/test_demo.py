@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiproc
 def test_demo_recovers_from_peers_bitwise(tmp_path):
     png = tmp_path / "timeline.png"
     out = subprocess.run(
-        [sys.executable, "-m", "incluster", "demo", "--nodes", "3", "--steps", "16", "--save-every", "2",
+        [sys.executable, "-m", "incluster", "demo", "--nodes", "3", "--steps", "24", "--save-every", "2",
          "--dim", "64", "--layers", "2", "--seed", "3", "--timeline", str(png)],
         capture_output=True, text=True, timeout=400, cwd=tmp_path, env={**os.environ, "COLUMNS": "250"},
     )
@@ -36,7 +36,7 @@ def test_demo_recovers_from_peers_bitwise(tmp_path):
 
 def test_demo_without_spare_goes_on_with_fewer_ranks_resharded(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "incluster", "demo", "--no-spare", "--nodes", "3", "--steps", "16", "--save-every", "2",
+        [sys.executable, "-m", "incluster", "demo", "--no-spare", "--nodes", "3", "--steps", "24", "--save-every", "2",
          "--dim", "64", "--layers", "2", "--seed", "3", "--timeline", str(tmp_path / "timeline.png")],
         capture_output=True, text=True, timeout=400, cwd=tmp_path, env={**os.environ, "COLUMNS": "250"},
     )
@@ -51,7 +51,7 @@ def test_demo_without_spare_goes_on_with_fewer_ranks_resharded(tmp_path):
     assert "the whole restored state (every shard gathered) on 2 ranks is bitwise the one 3 ranks saved: yes" in text
     assert "(identical)" in text or "no step is trained twice" in text
     assert "DIFFERENT" not in text and " NO " not in text
-    assert re.search(r"training went on with 2 ranks: rank 0's loss [\d.]+ at step \d+ -> [\d.]+ at step 15 ", text), text
+    assert re.search(r"training went on with 2 ranks: rank 0's loss [\d.]+ at step \d+ -> [\d.]+ at step 23 ", text), text
     assert "Same failure, persistent tier only" in text
     base = text.split("RAM folders under ", 1)[1].split(",", 1)[0].split()[0]
     assert base.startswith("/") and not os.path.exists(base), "the demo must remove its RAM folders"

@@ -61,10 +61,14 @@ def _reports(folder: str, world: int) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _progress(folder: str, world: int) -> int:
+def _progress(folder: str, world: int) -> tuple[int, int]:
+    """The step every rank has trained, and the newest step durable on every rank (-1: none)."""
     reps = _reports(folder, world)
     steps = [max(map(int, r["losses"]), default=-1) for r in reps.values() if r.get("losses")]
-    return min(steps) if len(steps) == world else -1
+    durable = [r.get("durable", -1) for r in reps.values()]
+    if len(reps) < world:
+        return -1, -1
+    return (min(steps) if len(steps) == world else -1), min(durable, default=-1)
 
 
 def _stop(job: Job, grace: float = 3.0) -> None:
@@ -182,9 +186,11 @@ def _watch(con: Any, job: Job, folder: str, world: int, layout: list[str], kill_
                   TimeElapsedColumn(), console=con, transient=False) as bar:
         task = bar.add_task(label, total=steps)
         while True:
-            step = _progress(folder, world)
+            step, durable = _progress(folder, world)
             bar.update(task, completed=max(step + 1, 0))
-            if kill_at is not None and step >= kill_at:
+            # Lost only once a save is durable: before, there would be nothing to recover
+            # (the first saves may be given up while the writer processes start).
+            if kill_at is not None and step >= kill_at and durable >= 0:
                 for r, n in enumerate(job.nodes):
                     if n == victim:
                         job.kill(r)
@@ -200,6 +206,10 @@ def _watch(con: Any, job: Job, folder: str, world: int, layout: list[str], kill_
                     con.print(job.output(bad)[-3000:], markup=False, highlight=False)  # logs hold '[...]'
                     phase["failed"] = True
                 phase["progress"] = step
+                if kill_at is not None and not phase.get("failed"):  # it ended before the node could be lost
+                    con.print(f"[red]training ended before any checkpoint was durable on every rank, so no node was "
+                              f"lost; run more steps (--steps, now {steps}) or save more often (--save-every)[/]")
+                    phase["failed"] = True
                 break
             if time.monotonic() - t0 > 600:
                 job.kill_all()

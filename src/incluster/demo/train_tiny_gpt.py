@@ -157,6 +157,7 @@ def main() -> None:
         return
     loss_fn = nn.CrossEntropyLoss()
     step_times: list[float] = []
+    handles: list[Any] = []  # saves not known durable yet (the demo loses a node only after one is)
     for step in range(0 if start is None else start + 1, args.steps):
         t_step = time.perf_counter()
         data = batch(step, rank, args.batch, 64, device)
@@ -170,7 +171,11 @@ def main() -> None:
         report["losses"][step] = round(loss.item(), 5)
         if step % args.save_every == 0:
             report["saved"][step] = digest(state)
-            ckpt.save(step, state)  # returns at once; copies overlap the next step
+            handles.append(ckpt.save(step, state))  # returns at once; copies overlap the next step
+        for h in [h for h in handles if h.done()]:
+            handles.remove(h)
+            if h.durable.exception() is None:
+                report["durable"] = max(report.get("durable", -1), h.step)
         step_times.append(time.perf_counter() - t_step)
         report["step_s"] = sorted(step_times)[len(step_times) // 2]
         write_report()
