@@ -10,6 +10,7 @@ loss, gradient clipping, data loader and FSDP2 sharding, on 2 ranks over gloo.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from incluster.config import resolve
 from incluster.state import flatten
 from incluster.errors import CheckpointError
 from incluster.testing.launch import Job, launch
@@ -112,7 +114,7 @@ def test_sigkill_after_durable_save_resumes_bitwise(local_dir: str) -> None:
     assert os.path.exists(f"{base}/tier/tt-ref/step-000000000008/COMMITTED.json"), os.listdir(f"{base}/tier/tt-ref")
 
 
-def test_config_override_and_validation() -> None:
+def test_config_override_and_validation(caplog: pytest.LogCaptureFixture) -> None:
     require("torchtitan", "torchtitan.components.checkpoint")
     from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
     from torchtitan.config import Configurable
@@ -135,6 +137,12 @@ def test_config_override_and_validation() -> None:
     assert (cfg.persistent, cfg.persistent_every, cfg.replicas) == ("/tmp/p", 4, 1)
     assert cfg._owner is InclusterCheckpointManager  # config.checkpoint.build(...) makes the manager
 
+    # Left at their defaults, the tier's options say nothing of a tier the run does not have
+    # (a default persistent_every warned "given, but there is no persistent tier" on every launch).
+    plain = InclusterCheckpointManager.Config()
+    with caplog.at_level(logging.WARNING, logger="incluster"):
+        resolve(local_dir="/dev/shm", job="tt", persistent=plain.persistent, persistent_every=plain.persistent_every)
+    assert not [r for r in caplog.records if "no persistent tier" in r.getMessage()]
     with pytest.raises(ValueError, match="replicas"):
         InclusterCheckpointManager.Config(replicas=-1)
     with pytest.raises(ValueError, match="persistent_every"):

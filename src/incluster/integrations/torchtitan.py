@@ -78,8 +78,8 @@ class InclusterCheckpointManager(CheckpointManager):
         persistent: str | None = None
         """Tier 2: a path or fsspec URL (s3://bucket/run, /mnt/ckpt); None: off (INCLUSTER_PERSISTENT)."""
 
-        persistent_every: int = 10
-        """Every Nth incluster checkpoint also goes to the persistent tier."""
+        persistent_every: int | None = None
+        """Every Nth incluster checkpoint also goes to the persistent tier (None: 10)."""
 
         job: str | None = None
         """Name of this job's checkpoints (default: INCLUSTER_JOB, else torchrun's run id);
@@ -92,7 +92,8 @@ class InclusterCheckpointManager(CheckpointManager):
             CheckpointManager.Config.__post_init__(self)
             if not isinstance(self.replicas, int) or self.replicas < 0:
                 raise ValueError(f"checkpoint.replicas must be an integer >= 0 (got {self.replicas!r})")
-            if not isinstance(self.persistent_every, int) or self.persistent_every < 1:
+            if self.persistent_every is not None and (not isinstance(self.persistent_every, int)
+                                                      or self.persistent_every < 1):
                 raise ValueError(
                     f"checkpoint.persistent_every must be an integer >= 1 (got {self.persistent_every!r})"
                 )
