@@ -180,5 +180,8 @@ def test_an_integration_that_cannot_resize_refuses_before_anything_is_restored(l
     assert all(c != 0 for c in codes), codes
     said = "step 3 was saved by 4 process(es) and this run has 3: the loop's positions are per process"
     assert all(said in o and "Resume with 4 process(es)" in o for o in outs), [o[-1500:] for o in outs]
+    # a one-node launch with another number of processes finds the steps of a job named from
+    # its script and folder: the way to start afresh is named, with the job's name
+    assert all("to start afresh instead, name another job (job=...; this one is '" in o for o in outs), outs[0][-1500:]
     assert not any("restored into" in o or "reshard_rank_state" in o or "fetched" in o for o in outs), [
         o[-1500:] for o in outs]

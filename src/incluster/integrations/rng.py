@@ -86,10 +86,14 @@ def refuse_resize(ckpt: Any, why: str) -> None:
     report = getattr(ckpt, "last_restore", None)
     if report is None or report.source != "reshard" or report.old_world is None:
         return
-    raise CheckpointError(resize_refusal(report.step, report.old_world, ckpt.world_size, why))
+    raise CheckpointError(resize_refusal(report.step, report.old_world, ckpt.world_size, why,
+                                         getattr(getattr(ckpt, "config", None), "job", None)))
 
 
-def resize_refusal(step: int | None, old: int, new: int, why: str) -> str:
+def resize_refusal(step: int | None, old: int, new: int, why: str, job: str | None = None) -> str:
+    named = "" if job is None else (
+        f"; to start afresh instead, name another job (job=...; this one is {job!r}, and a job not named with "
+        f"job= or INCLUSTER_JOB is named from the script and working folder, whatever the number of processes)")
     return (f"step {step} was saved by {old} process(es) and this run has {new}: {why}, so the run cannot go on "
-            f"as the saved one. Resume with {old} process(es); to change the number, load the model and optimizer "
-            f"with a plain incluster.Checkpointer (or `incluster export --to dcp`) and start the loop afresh")
+            f"as the saved one. Resume with {old} process(es){named}; to change the number, load the model and "
+            f"optimizer with a plain incluster.Checkpointer (or `incluster export --to dcp`) and start the loop afresh")

@@ -185,7 +185,7 @@ class _Run:
                 # here, before a byte lands or a tier shard is fetched (RAM and tier alike).
                 from incluster.integrations.rng import resize_refusal
 
-                raise CheckpointError(resize_refusal(mine.step, mine.world, ctx.world_size, ctx.refuse_resize))
+                raise CheckpointError(resize_refusal(mine.step, mine.world, ctx.world_size, ctx.refuse_resize, ctx.job))
             if mine.world is not None and (mine.world != ctx.world_size or mine.reshard):
                 self.dirty, self.loaded = self.dirty or self.loaded is not None, None
                 report.from_tier = mine.persistent is not None
