@@ -359,7 +359,9 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
         page-locked when it is on a GPU - and the device-side snapshot buffer, in the
         background; the first save then only copies. Call it once the state has its full
         shape (after the first optimizer step creates the optimizer's state), overlapped
-        with training. Returns a future that resolves when everything is ready. Also makes
+        with training. Returns a future that resolves when everything is ready, the writer
+        process included (it starts with the Checkpointer, in the background; saves made
+        before it answers may be given up for newer ones, see ``early_saves``). Also makes
         the reused memory save() copies unguarded CPU tensors into (see ``guard.ClonePool``)."""
         self._check_usable()
         shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
@@ -375,7 +377,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
             log.warning("incluster: prepare() before the first optimizer step: the optimizer's state (Adam's "
                         "moments, momentum buffers) does not exist yet, so the slots made now are too small and "
                         "are made again at the first save; call prepare() after the first optimizer.step()")
-        return self._stage_pool.submit(self._prepare, snap, clone_shapes=shapes)
+        return _then_started(self._stage_pool.submit(self._prepare, snap, clone_shapes=shapes), self._writer)
 
     def record_step(self, step: int) -> None:
         """Mark training progress (cheap, buffered) so goodput reports can tell exactly
@@ -515,3 +517,23 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
             from incluster.staging import cuda
 
             cuda.unregister(slot)
+
+
+def _then_started(slots: "Future[None]", writer: Any) -> "Future[None]":
+    """Resolves once ``slots`` did and the writer has answered its start (a thread writer
+    has none); with the first error of either."""
+    out: Future[None] = Future()
+
+    def started(f: "Future[None]") -> None:
+        err = f.exception()
+        out.set_exception(err) if err is not None else out.set_result(None)
+
+    def prepared(f: "Future[None]") -> None:
+        start = getattr(writer, "started", None)
+        if f.exception() is not None or start is None:
+            started(f)
+        else:
+            start.add_done_callback(started)
+
+    slots.add_done_callback(prepared)
+    return out

@@ -15,6 +15,8 @@ def test_showcase_runs_and_reports_a_bitwise_restore(local_dir):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "restored step 4 (last saved 4)" in out.stdout
+    # after prepare() (slots and the writer process ready) no save is given up
+    assert "first durable save (step 0" in out.stdout and "given up" not in out.stdout, out.stdout
     assert "bitwise equal: yes" in out.stdout.replace("\n", " ")
 
 

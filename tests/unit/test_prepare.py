@@ -176,3 +176,21 @@ def test_an_empty_load_does_not_touch_the_state(local_dir):
         assert ck.load({"probe": Probe()}) is None
         ck._stage_pool.submit(lambda: None).result(30)
     assert calls == []
+
+
+def test_once_prepare_resolves_the_writer_process_has_started_and_no_save_is_given_up(local_dir):
+    # Saves made while the writer process starts may be given up for newer ones: a loop
+    # that waited for prepare() has every save it makes from then on durable.
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    train(m, o, 1)
+    state = {"model": m, "optim": o}
+    with incluster.Checkpointer(local_dir=local_dir, job="prep", writer="process", keep=2) as ck:
+        ck.prepare(state).result(120)
+        assert ck._writer.started.done() and ck.writer_pid is not None
+        handles = []
+        for step in range(1, 7):  # faster than a save is durable: each waits for a slot instead
+            train(m, o, 1)
+            handles.append(ck.save(step, state))
+        for h in handles:
+            h.wait(60)  # raises a given-up save's error
