@@ -188,7 +188,8 @@ class InclusterStrategyMixin:
         if not any(getattr(cb, "_incluster_saves", False) for cb in getattr(trainer, "callbacks", [])):
             log.warning("incluster: this fit resumes from incluster but has no InclusterCheckpoint callback, so it "
                         "saves nothing there; add callbacks=[InclusterCheckpoint(every_n_steps=N)]")
-        if step is None and self.is_global_zero:  # type: ignore[attr-defined]
+        # (a job named from the launch: the Checkpointer's own warning said it already)
+        if step is None and self.is_global_zero and not getattr(self.incluster, "_job_derived", False):  # type: ignore[attr-defined]
             log.warning("incluster: job %r has no checkpoint yet; training starts from scratch (Lightning's "
                         "\"Restored all states\" restores nothing)", self.incluster.config.job)
         if step is None:
