@@ -226,6 +226,8 @@ def test_corrupt_newest_step_falls_back_to_older_with_a_warning(local_dir, caplo
         assert ck.load(target) == 1
         assert torch.equal(target["w"], torch.ones(100))
         assert "checksum mismatch" in caplog.text and "step 2" in caplog.text
+        # the step restored instead is said too, with the step it is not
+        assert "restored step 1, not the newer step 2" in caplog.text, caplog.text
         ck.save(2, {"w": torch.ones(100) * 5}).wait()  # the corrupt step was discarded
 
 

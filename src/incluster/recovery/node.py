@@ -167,7 +167,7 @@ def uncommit(local_dir: str, job: str, owner: int, step: int) -> None:
 
 def bad_copy(ctx: Any, report: Any, owner: int, step: int, exc: Exception) -> None:
     log.warning("incluster: rank %d: the copy of rank %d's step %d on node %s is bad (%s); "
-                "it is set aside and another copy is used", ctx.rank, owner, step, ctx.node, exc)
+                "it is set aside; another copy, or else an older step, is used", ctx.rank, owner, step, ctx.node, exc)
     report.notes.append(f"rank {owner}'s copy on {ctx.node} failed verification ({exc})")
 
 

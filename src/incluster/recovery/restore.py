@@ -71,6 +71,7 @@ class RestoreReport:
     rounds: int = 0
     old_world: int | None = None  # resharded: the world size that saved the step
     from_tier: bool = False  # resharded: the old shards came from the persistent tier first
+    first_chosen: int | None = None  # the step the first round chose (newer than ``step``: its copies were bad)
     notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
@@ -171,6 +172,8 @@ class _Run:
             other = mine.lineage is not None and self.loaded_as is not None and tuple(mine.lineage) != self.loaded_as
             if self.loaded is not None and (mine.step != self.loaded or other):  # another step, or its namesake
                 self.dirty, self.loaded = True, None
+            if report.first_chosen is None:
+                report.first_chosen = mine.step
             if mine.step is None:
                 if self.dirty:  # every copy left was bad: "nothing saved" would start from a torn state
                     raise NoCheckpointError("no step is left with a good copy of every rank's shard")
