@@ -470,9 +470,12 @@ def test_without_dir_a_missing_ram_folder_and_a_job_not_there_are_named(real: tu
     monkeypatch.setenv("INCLUSTER_LOCAL_DIR", os.path.join(root, "gone"))
     code, text = inproc(capsys, "ls")
     assert code == 2 and "no DIR given, and this node's RAM folder" in text and "its local_dir" in text, text
-    for cmd, rc in (("ls", 0), ("verify", 1)):
+    for cmd in ("ls", "verify"):
         code, text = inproc(capsys, cmd, root, "--job", "nojob")
-        assert code == rc and "job 'nojob' is not there, these are: j" in text, (cmd, text)
+        assert code == 1 and "job 'nojob' is not there, these are: j" in text, (cmd, text)
+    code, text = inproc(capsys, "export", root, "--job", "nojob", "--step", "1", "--to", "torch",
+                        os.path.join(root, "out.pt"))
+    assert code == 1 and "job 'nojob' is not there, these are: j" in text and "no steps there at all" not in text, text
     code, text = inproc(capsys, "verify", root, "--job", "j", "--step", "99")  # the job is there, the step is not
     assert code == 1 and "no step 99 found" in text and "is not there" not in text, text
 

@@ -201,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     if not jobs:
         have = sorted({c.step for c in inv.copies})
         line(out, "[red]refused:[/]", f"no step {args.step} found under {', '.join(args.dirs + args.persistent)}"
-             + (f"; steps there: {', '.join(map(str, have[-12:]))}" if have else "; no steps there at all"))
+             + (f"; steps there: {', '.join(map(str, have[-12:]))}" if have
+                else inv.elsewhere(args.job) or "; no steps there at all"))
         return 1
     if len(jobs) > 1:
         line(err, "[red]error:[/]", f"jobs {', '.join(jobs)} all have step {args.step}; choose one with --job")

@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     inv = load(args, err)
     if inv is None:
         return 2
+    missing = bool(inv.elsewhere(args.job))  # a --job that is not there: said, and the exit status is 1
     if not inv.copies:
         out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}{inv.elsewhere(args.job)}"
                   f"{inv.rank_folders(args.dirs)}",
@@ -95,4 +96,4 @@ def run(args: argparse.Namespace) -> int:
         line(out, "[red]problem:[/]", text)
     for n in inv.notes:
         line(out, "[dim]info:[/]", f"{n.path}: {n.what}")
-    return 0
+    return 1 if missing else 0
