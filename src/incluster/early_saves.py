@@ -86,9 +86,10 @@ class EarlySaves:
         err = CheckpointError(
             f"step {job.step} was not saved ({SUPERSEDED}): save({step}) took its slot while it still waited for "
             f"this rank's writer process to start (a fresh interpreter importing torch), as saves came faster "
-            f"than that start; the newer steps go on as usual (and close() uploads the newest to a persistent "
-            f"tier). Every slot held such a save: to keep every early step, save less often in the first "
-            f"seconds of a run")
+            f"than that start; the newer steps go on as usual"
+            f"{' (and close() uploads the newest to the persistent tier)' if self.config.persistent else ''}. "
+            f"Every slot held such a save: to keep every early step, wait for ckpt.prepare(state) before the "
+            f"loop (it resolves once the writer is up) or save less often in the first seconds of a run")
         err.from_peer = True  # type: ignore[attr-defined]  # wait() and the handle say it; no later save() raises it
         log.log(logging.INFO if self._said_superseded else logging.WARNING, "incluster: rank %d: %s%s", self.rank,
                 err, "" if self._said_superseded else " (said once; later ones at INFO)")
