@@ -34,7 +34,7 @@ from incluster.handle import SaveHandle
 from incluster.early_saves import EarlySaves
 from incluster.handover import HandOver
 from incluster.loading import LoadPipeline
-from incluster.saving import SavePipeline
+from incluster.saving import SavePipeline, writer_spawner
 from incluster.guard import ClonePool, StepGuard
 from incluster.recovery.restore import RestoreReport
 from incluster.reporting import ErrorReports, add_note
@@ -166,8 +166,11 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
         self._closed = False
         self._checked_out = False  # out of the job store already (an exit with nothing in flight)
         self._writer: Writer = (
-            # started, not awaited: its start (a torch import) overlaps load()'s restore
-            ProcessWriter(params, on_persisted=self._persisted, on_death=self._writer_died, wait=False)
+            # started, not awaited: its start (a torch import) overlaps load()'s restore; on the
+            # thread that lives as long as the process (a writer dies with the thread that
+            # started it: a Checkpointer made on a thread that then ends lost it)
+            writer_spawner().submit(ProcessWriter, params, on_persisted=self._persisted, on_death=self._writer_died,
+                              wait=False).result()
             if self.config.writer == "process"
             else ThreadWriter(params, on_persisted=self._persisted)
         )

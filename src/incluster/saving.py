@@ -62,7 +62,7 @@ _spawn_pool: ThreadPoolExecutor | None = None
 _spawn_lock = threading.Lock()
 
 
-def _spawner() -> ThreadPoolExecutor:
+def writer_spawner() -> ThreadPoolExecutor:
     """The thread that starts replacement writers. A writer is killed when the thread that
     started it exits (PR_SET_PDEATHSIG follows the thread), so that thread must live as
     long as the process: never a Checkpointer's staging thread, which ends at close()."""
@@ -433,7 +433,7 @@ class SavePipeline:
             old = self._writer
             params = dataclasses.replace(self._writer_params, gen=next_generation(), incarnation=self._writer_restarts)
             try:
-                self._writer = _spawner().submit(
+                self._writer = writer_spawner().submit(
                     ProcessWriter, params, on_persisted=self._persisted, on_death=self._writer_died
                 ).result()
                 self._writer.drain_listener = self._stager.remote  # type: ignore[attr-defined]

@@ -518,3 +518,83 @@ def test_without_a_writer_server_the_writer_is_a_fresh_interpreter(local_dir, mo
         ck.save(1, {"w": torch.ones(10)}).wait(60)
         with open(f"/proc/{ck.writer_pid}/cmdline", "rb") as f:
             assert b"incluster.writer.worker" in f.read()
+
+
+STOP_SCRIPT = textwrap.dedent('''
+    import signal, sys, torch, incluster
+    m = torch.nn.Linear(64, 64)
+    o = torch.optim.AdamW(m.parameters())
+    ck = incluster.Checkpointer(local_dir=sys.argv[1], job="stop")
+    state = {"model": m, "optim": o}
+    m(torch.randn(4, 64)).sum().backward(); o.step()
+
+    def on_stop(sig, frame):  # a scheduler's "stop": one last save, then out
+        try:
+            ck.save(99, state).wait(60)
+            print("last save durable", flush=True)
+        except Exception as exc:
+            print("LAST SAVE FAILED:", type(exc).__name__, exc, flush=True)
+        ck.close()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGUSR1, on_stop)
+    ck.prepare(state).result(120)  # the writer process is up
+    ck.save(1, state).wait(60)
+    print("ready", ck.writer_pid, flush=True)
+    signal.pause()
+''')
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_to_the_whole_process_group_leaves_the_writer_for_the_last_save(local_dir, tmp_path, sig):
+    """torchrun stops its workers with SIGTERM to their process group, `timeout` likewise,
+    SLURM signals every process of the job (Lightning's requeue: SIGUSR1): the writer took
+    the signal too and died, so the handler's last save failed."""
+    from incluster.testing import writer_server
+
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != writer_server.ENV}  # a real `python -m` writer
+    proc = subprocess.Popen([sys.executable, str(script), local_dir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready"), line + proc.stdout.read()
+        writer = int(line.split()[1])
+        os.killpg(proc.pid, sig)  # the trainer's group: as torchrun and `timeout` do
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(writer, sig)  # and the writer itself: as SLURM signals every process of the job
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "last save durable" in out, out
+    assert os.path.exists(os.path.join(local_dir, "stop", "rank-00000", "step-000000000099.json")), out
+
+
+def test_a_checkpointer_made_on_a_thread_that_ends_keeps_its_writer(local_dir, monkeypatch):
+    """The parent-death signal follows the thread that started a process: a Checkpointer
+    made on a worker thread lost its writer (SIGKILL) when that thread ended."""
+    from incluster.testing import writer_server
+
+    monkeypatch.delenv(writer_server.ENV, raising=False)  # a real `python -m` writer, started by this process
+    box: dict = {}
+
+    def make() -> None:
+        box["ck"] = incluster.Checkpointer(local_dir=local_dir, job="thread-made")
+        box["ck"].prepare({"w": torch.ones(10)}).result(120)
+
+    t = threading.Thread(target=make)
+    t.start()
+    t.join()
+    ck = box["ck"]
+    pid = ck.writer_pid
+    time.sleep(0.5)  # a parent-death SIGKILL is immediate
+    try:
+        assert _alive(pid)
+        ck.save(1, {"w": torch.ones(10)}).wait(60)
+        assert ck.writer_pid == pid and ck._writer_restarts == 0
+    finally:
+        ck.close()

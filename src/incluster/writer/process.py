@@ -72,11 +72,16 @@ class ProcessWriter:
         from incluster.testing import writer_server
 
         # A test suite's writer server forks it from a process that imported torch already
+        # A session of its own: a signal to the trainer's process group (torchrun stopping its
+        # workers with SIGTERM, `timeout`, Ctrl-C in a terminal) does not reach the writer,
+        # which the trainer's handler may still need for a last save. It ends with its
+        # trainer anyway (parent-death signal, and its socket's end).
         self.proc: Any = writer_server.start(theirs.fileno(), env) or subprocess.Popen(
             [sys.executable, "-m", "incluster.writer.worker", str(theirs.fileno()), str(os.getpid())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,
+            start_new_session=True,
         )
         theirs.close()
         self.pid: int | None = self.proc.pid

@@ -261,12 +261,20 @@ def _replicate(service: object, step: int, own: object, timeline: int | None) ->
         pass
 
 
+# Signals meant for the trainer: a scheduler's or launcher's "stop" (SLURM and torchrun
+# send SIGTERM, Lightning's SLURM requeue SIGUSR1) reaches every process of the job, and
+# the trainer's handler may then save once more through this writer; Ctrl-C likewise. The
+# writer ends with its trainer (parent-death signal, its socket's end), or SIGKILL.
+IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def main() -> None:
+    for sig in IGNORED:  # before the torch import: a second of the start is spent there
+        signal.signal(sig, signal.SIG_IGN)
     import torch
 
     torch.set_num_threads(1)  # see ProcessWriter: no intra-op pool spinning beside the trainer
     _die_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which drains us
     conn = Connection(int(sys.argv[1]))
     try:
         serve(conn)
