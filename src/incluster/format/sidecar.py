@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import time
 
 import xxhash
@@ -153,12 +154,30 @@ def write_sidecar(path: str, sidecar: Sidecar, fsync: bool = False) -> None:
         _fsync_dir(os.path.dirname(path))
 
 
+def open_regular(path: str, what: str) -> int:
+    """``path`` opened for reading, refused unless it is a regular file: a link is not
+    followed, and a named pipe (whose open blocks until a writer comes) or a device is
+    opened without blocking, then refused; so is a folder. :class:`CorruptCheckpointError`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot open {what} ({exc.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise CorruptCheckpointError(f"{path}: the {what} is {kind}, not a file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_sidecar(path: str) -> Sidecar:
     """Read and validate a sidecar; :class:`CorruptCheckpointError` on anything odd."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        raise CorruptCheckpointError(f"{path}: cannot open sidecar ({exc.strerror})") from None
+    fd = open_regular(path, "sidecar")
     try:
         size = os.fstat(fd).st_size
         if size > MAX_SIDECAR_BYTES:

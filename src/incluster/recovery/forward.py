@@ -23,7 +23,7 @@ import torch.distributed as dist
 from incluster import reserve
 from incluster.errors import CheckpointError, CorruptCheckpointError
 from incluster.format.checksum import content_id
-from incluster.format.sidecar import MAX_SIDECAR_BYTES, read_sidecar, write_sidecar
+from incluster.format.sidecar import MAX_SIDECAR_BYTES, open_regular, read_sidecar, write_sidecar
 from incluster.recovery.equivalent import SIDECAR_BAD
 from incluster.recovery.node import BAD_SUFFIX
 from incluster.recovery.gather import _run, device_for_collectives
@@ -135,9 +135,9 @@ def _read(folder: str, step: int) -> bytes:
     path = os.path.join(folder, sidecar_file(step))
     for name in (path, path + BAD_SUFFIX):
         try:
-            fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = open_regular(name, "sidecar")
             break
-        except OSError:
+        except CheckpointError:  # missing, a link, or not a file
             continue
     else:
         return b""

@@ -70,7 +70,8 @@ def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int
             manifest = json.loads(ctx.persistent.read(f"{step_dir(ctx.job, step)}/{MANIFEST}"))
             records = {int(r["rank"]): r for r in manifest["ranks"]}
             world = int(manifest["world_size"])
-            if world < 1 or sorted(records) != list(range(world)):
+            # the count first: range() of an absurd world size (a damaged record) is not built
+            if world < 1 or len(records) != world or sorted(records) != list(range(world)):
                 raise ValueError("it lacks some rank's record")
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)

@@ -115,7 +115,7 @@ def abandon_newer(local_dir: str, job: str, step: int, ring: SlotRing) -> None:
             if newer > step:  # a record of the abandoned timeline: never forwarded
                 try:
                     os.unlink(os.path.join(folder, sidecar_file(newer) + BAD_SUFFIX))
-                except FileNotFoundError:
+                except (FileNotFoundError, IsADirectoryError):  # a stray folder of that name stays
                     pass
         if os.path.abspath(folder) == mine:
             continue  # my own ring un-committed them (reset_to); their files are its slots

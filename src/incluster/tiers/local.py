@@ -19,7 +19,7 @@ from incluster.errors import CorruptCheckpointError
 from incluster.format.checksum import verify
 from incluster.format.dtypes import NAME_TO_DTYPE
 from incluster.format.reader import ShardHeader, header_length, parse_header
-from incluster.format.sidecar import Sidecar, read_sidecar
+from incluster.format.sidecar import Sidecar, open_regular, read_sidecar
 from incluster.staging.slots import sidecar_file, step_file
 
 _SIDECAR = re.compile(r"^step-(\d{12,})\.json$")
@@ -69,10 +69,7 @@ def open_shard(folder: str, step: int) -> tuple[int, Sidecar, ShardHeader, str]:
     if sidecar.step != step:
         raise CorruptCheckpointError(f"{folder}: sidecar of step {step} says step {sidecar.step}")
     path = data_path(folder, sidecar)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        raise CorruptCheckpointError(f"{path}: cannot open shard ({exc.strerror})") from None
+    fd = open_regular(path, "shard")
     try:
         size = os.fstat(fd).st_size
         if size != sidecar.checksum.size:
@@ -100,10 +97,7 @@ class ShardReader:
         self.path = data_path(folder, self.sidecar)
         self._mm: mmap.mmap | None = None
         self._buf: torch.Tensor | None = None
-        try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as exc:
-            raise CorruptCheckpointError(f"{self.path}: cannot open shard ({exc.strerror})") from None
+        fd = open_regular(self.path, "shard")
         try:
             size = os.fstat(fd).st_size
             if size != self.sidecar.checksum.size:

@@ -14,10 +14,11 @@ import errno
 import os
 import posixpath
 import re
+import stat
 import time
 from typing import Any
 
-from incluster.errors import CheckpointError, TierUnavailableError
+from incluster.errors import CheckpointError, CorruptCheckpointError, TierUnavailableError
 
 CHUNK = 16 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -231,6 +232,13 @@ class FsspecTier:
     def read(self, path: str, into: memoryview | None = None) -> bytes | int:
         full = self._p(path)
         t0 = time.monotonic()
+        if self.posix:  # a named pipe there would block the read for ever: refused, as corrupt
+            try:
+                mode = os.stat(full).st_mode
+            except OSError:
+                mode = stat.S_IFREG  # missing: fsspec says so in its words below
+            if not stat.S_ISREG(mode):
+                raise CorruptCheckpointError(f"{full}: not a regular file (a named pipe or a folder)")
         with _BackendErrors(self, f"reading {path}"), self.fs.open(full, "rb") as f:
             if into is None:
                 data: bytes = f.read()

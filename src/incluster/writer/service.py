@@ -242,7 +242,7 @@ class CommitService:
         import json
 
         from incluster.format.checksum import content_id
-        from incluster.format.sidecar import read_sidecar
+        from incluster.format.sidecar import open_regular, read_sidecar
         from incluster.replication import OwnShard
         from incluster.staging.slots import sidecar_file
         from incluster.tiers.local import data_path
@@ -253,7 +253,7 @@ class CommitService:
             return
         try:
             sc = read_sidecar(os.path.join(folder, sidecar_file(step)))
-            fd = os.open(data_path(folder, sc), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = open_regular(data_path(folder, sc), "shard")
             try:
                 size = os.fstat(fd).st_size
                 mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
