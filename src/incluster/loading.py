@@ -143,7 +143,7 @@ class LoadPipeline:
         self.last_restore = report
         self._lineage = (self._began, self._loads, -1 if report.step is None else report.step)
         heal = ctx.heal
-        log.info("incluster restore: %s", report.line())
+        log.info("%s", report.line())
         if report.step is None and self.rank == 0 and self._job_derived:
             log.warning("incluster: nothing to restore for job %r, a name derived from this launch (the "
                         "script and folder, or torchrun's run id or rendezvous endpoint); if this run should "

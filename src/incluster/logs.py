@@ -4,23 +4,21 @@ Every message starts with "incluster: ", so that it says where it is from where 
 is not configured (Python then prints the bare message). A format that shows the
 logger's name (``%(name)s``, torchtitan's and pytest's among them) said it twice:
 "incluster - WARNING - incluster: rank 0 ...". A filter on the ``incluster`` logger drops
-the word from a message when every handler that will print it shows the name
-("incluster restore: rank 0 ..." becomes "restore: rank 0 ...").
+the word from a message when every handler that will print it shows the name.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 
-PREFIX = re.compile(r"incluster(: | (?=[a-z]+: ))")  # "incluster: ...", "incluster restore: ..."
+PREFIX = "incluster: "
 _NAME_FIELDS = ("%(name)", "{name}", "{name:", "{name!", "$name", "${name}")
 
 
 class _NameShownOnce(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and record.msg.startswith("incluster") and _names_shown(record):
-            record.msg = PREFIX.sub("", record.msg, count=1) if PREFIX.match(record.msg) else record.msg
+        if isinstance(record.msg, str) and record.msg.startswith(PREFIX) and _names_shown(record):
+            record.msg = record.msg[len(PREFIX):]
         return True
 
 

@@ -44,15 +44,6 @@ def test_a_format_showing_the_name_says_incluster_once(incluster_log):
     assert _printed(incluster_log, "%(name)s - %(levelname)s - %(message)s") == [
         "incluster - WARNING - rank 3: the RAM disk is full"]
     assert _printed(incluster_log, "[{name}] {message}", style="{") == ["[incluster] rank 3: the RAM disk is full"]
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    incluster_log.addHandler(handler)
-    incluster_log.info("incluster restore: %s", "rank 0 on a: nothing to restore")
-    incluster_log.info("incluster-made name: kept")  # only the word itself is dropped
-    incluster_log.removeHandler(handler)
-    assert stream.getvalue().splitlines() == ["incluster: restore: rank 0 on a: nothing to restore",
-                                              "incluster: incluster-made name: kept"]
 
 
 def test_a_bare_format_keeps_the_word(incluster_log):

@@ -76,7 +76,7 @@ class RestoreReport:
 
     def line(self) -> str:
         if self.step is None:
-            return f"rank {self.rank} on {self.node}: nothing to restore"
+            return f"incluster restore: rank {self.rank} on {self.node}: nothing to restore"
         if self.source == "reshard":
             src = "the persistent tier, resharded" if self.from_tier else "the cluster's RAM, resharded"
         elif self.source == "local":
@@ -87,7 +87,7 @@ class RestoreReport:
             src = f"rank {self.source_rank} on node {self.source_node}"
         extra = f"; {'; '.join(self.notes)}" if self.notes else ""
         return (
-            f"rank {self.rank} on {self.node}: step {self.step} from {src}, "
+            f"incluster restore: rank {self.rank} on {self.node}: step {self.step} from {src}, "
             f"{self.bytes} bytes in {self.seconds:.3f} s{extra}"
         )
 
