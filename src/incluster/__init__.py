@@ -17,10 +17,6 @@ from incluster.errors import (
     WriterProcessDied,
 )
 
-from incluster import logs as _logs
-
-_logs.install()
-
 if TYPE_CHECKING:
     from incluster.checkpointer import Checkpointer
     from incluster.config import Config
