@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -380,7 +380,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
             log.warning("incluster: prepare() before the first optimizer step: the optimizer's state (Adam's "
                         "moments, momentum buffers) does not exist yet, so the slots made now are too small and "
                         "are made again at the first save; call prepare() after the first optimizer.step()")
-        return _then_started(self._stage_pool.submit(self._prepare, snap, clone_shapes=shapes), self._writer)
+        return _then_started(self._stage_pool.submit(self._prepare, snap, clone_shapes=shapes), lambda: self._writer)
 
     def record_step(self, step: int) -> None:
         """Mark training progress (cheap, buffered) so goodput reports can tell exactly
@@ -522,21 +522,21 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
             cuda.unregister(slot)
 
 
-def _then_started(slots: "Future[None]", writer: Any) -> "Future[None]":
-    """Resolves once ``slots`` did and the writer has answered its start (a thread writer
-    has none); with the first error of either."""
+def _then_started(slots: "Future[None]", writer: Callable[[], Any]) -> "Future[None]":
+    """Resolves once ``slots`` did (with their error, if any) and the current writer's start
+    has ended. A start that failed is not raised here: a successor starts at once, and
+    the saves report a writer that could not be had (``WriterProcessDied``)."""
     out: Future[None] = Future()
 
-    def started(f: "Future[None]") -> None:
-        err = f.exception()
-        out.set_exception(err) if err is not None else out.set_result(None)
-
     def prepared(f: "Future[None]") -> None:
-        start = getattr(writer, "started", None)
-        if f.exception() is not None or start is None:
-            started(f)
+        err = f.exception()
+        start = getattr(writer(), "started", None)  # a thread writer has none
+        if err is not None:
+            out.set_exception(err)
+        elif start is None:
+            out.set_result(None)
         else:
-            start.add_done_callback(started)
+            start.add_done_callback(lambda _: out.set_result(None))
 
     slots.add_done_callback(prepared)
     return out

@@ -178,9 +178,14 @@ def test_an_empty_load_does_not_touch_the_state(local_dir):
     assert calls == []
 
 
-def test_once_prepare_resolves_the_writer_process_has_started_and_no_save_is_given_up(local_dir):
+def test_once_prepare_resolves_the_writer_process_has_started_and_no_save_is_given_up(local_dir, monkeypatch):
     # Saves made while the writer process starts may be given up for newer ones: a loop
     # that waited for prepare() has every save it makes from then on durable.
+    from incluster.testing import FaultInjector
+
+    # a start slower than making the slots (the suite's writers are forked ready, in ms)
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="writer-start", action="slow", seconds=2)
+                                  .env().items())))
     m = tiny_model()
     o = torch.optim.AdamW(m.parameters())
     train(m, o, 1)
@@ -194,3 +199,17 @@ def test_once_prepare_resolves_the_writer_process_has_started_and_no_save_is_giv
             handles.append(ck.save(step, state))
         for h in handles:
             h.wait(60)  # raises a given-up save's error
+
+
+def test_a_writer_start_that_fails_once_is_not_raised_by_prepare(local_dir, monkeypatch):
+    # the successor starts at once and the saves land: prepare() is no place to fail a run
+    from incluster.testing import FaultInjector
+
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="writer-start", step=0).env().items())))
+    m = tiny_model()
+    o = torch.optim.AdamW(m.parameters())
+    train(m, o, 1)
+    state = {"model": m, "optim": o}
+    with incluster.Checkpointer(local_dir=local_dir, job="prep", writer="process") as ck:
+        ck.prepare(state).result(120)
+        ck.save(1, state).wait(60)
