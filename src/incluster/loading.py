@@ -149,9 +149,8 @@ class LoadPipeline:
                         "script and folder, or torchrun's run id or rendezvous endpoint); if this run should "
                         "resume an earlier one launched otherwise, pass job= or set INCLUSTER_JOB", self.config.job)
         if report.step is not None and (report.first_chosen or -1) > report.step and self.rank == 0:
-            log.warning("incluster: restored step %d, not the newer step %d: no full set of good copies of step %d "
-                        "was left (the bad ones are named above and set aside); training goes on from step %d",
-                        report.step, report.first_chosen, report.first_chosen, report.step)
+            log.warning("incluster: restored step %d, not the newer step %d, which could not be restored (see the "
+                        "messages above); training goes on from step %d", report.step, report.first_chosen, report.step)
         if report.source == "reshard":
             self._old_world = report.old_world
         if report.step is not None and only is not None and self.rank == 0:

@@ -1,7 +1,7 @@
 """After a restart every slot may hold a step: the one the next save takes over is mapped
 ahead (off the training path), and is among the slot files a writer process that drains
-the device-side snapshot page-locks ahead (``gpu_drain="writer"``; the CUDA half runs in
-tests/gpu)."""
+the device-side snapshot page-locks ahead (``gpu_drain="writer"``; the telling of it is
+in test_remote_drain.py; the page-locking itself needs CUDA)."""
 
 from __future__ import annotations
 

@@ -122,3 +122,18 @@ def test_slots_mapped_after_the_buffer_was_shared_are_page_locked_ahead_by_that_
     r.on_ready(2, r.buf_id, None)
     r.pin_ahead()
     assert w2.pinned == []
+
+
+def test_a_slot_mapped_between_the_offer_and_the_writers_answer_is_told_once_the_buffer_is_open():
+    # After a restart: the first save offers the buffer, then maps the next slot ahead
+    # before the writer has answered; that slot is told as soon as the writer has.
+    files = [(0, "/s0", 8, 1)]
+    w = FakeWriter(1)
+    r, _ = _remote(w, files)
+    r.offer(object())
+    files.append((1, "/s1", 8, 1))
+    r.on_ready(1, r.buf_id, None)
+    deadline = time.monotonic() + 5
+    while not w.pinned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.pinned == [[(1, "/s1", 8, 1)]]

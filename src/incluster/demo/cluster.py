@@ -207,8 +207,9 @@ def _watch(con: Any, job: Job, folder: str, world: int, layout: list[str], kill_
                     phase["failed"] = True
                 phase["progress"] = step
                 if kill_at is not None and not phase.get("failed"):  # it ended before the node could be lost
-                    con.print(f"[red]training ended before any checkpoint was durable on every rank, so no node was "
-                              f"lost; run more steps (--steps, now {steps}) or save more often (--save-every)[/]")
+                    con.print(f"[red]training ended before a checkpoint was durable on every rank in time for the "
+                              f"node loss (saves made while the writer processes start may be given up), so no node "
+                              f"was lost; run more steps (--steps, now {steps})[/]")
                     phase["failed"] = True
                 break
             if time.monotonic() - t0 > 600:

@@ -65,11 +65,13 @@ def _status(err: object) -> tuple[int, str]:
         return code, f"CUDA error {code}"
 
 
-def host_register(ptr: int, size: int, device: int) -> str | None:
+def host_register(ptr: int, size: int, device: int, remember: bool = True) -> str | None:
     """Page-lock ``size`` bytes at ``ptr`` in ``device``'s context (Portable: for every
     GPU's context, so copies from each GPU of a state spread over several stay
     asynchronous). None, or why not; after one refusal in this process nothing more is
-    tried (the cause - the folder's file system, a limit - holds for every slot)."""
+    tried (the cause - the folder's file system, a limit - holds for every slot).
+    ``remember=False``: a refusal is returned only (ahead of time, a file another process
+    may be resizing meanwhile: its drain tries again)."""
     if _refused is not None:
         return _refused
 
@@ -78,7 +80,10 @@ def host_register(ptr: int, size: int, device: int) -> str | None:
             return _status(torch.cuda.cudart().cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE))
 
     code, what = _on_pinner(call)
-    return None if code == 0 else _refuse(f"cudaHostRegister of {size} bytes failed with {what}")
+    if code == 0:
+        return None
+    why = f"cudaHostRegister of {size} bytes failed with {what}"
+    return _refuse(why) if remember else why
 
 
 def _refuse(why: str) -> str:

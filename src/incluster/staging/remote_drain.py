@@ -39,6 +39,7 @@ class RemoteDrain:
         self._writer = writer  # the Checkpointer's current writer (a new one after a restart)
         self._slots = slots  # (index, path, size, Slot.maps) of the mapped slot files, for the writer to pin
         self._lock = threading.Lock()
+        self._pin_lock = threading.Lock()
         self._free = threading.Event()
         self._free.set()
         self._buf: Any = None  # the buffer last offered (kept alive: the writer maps it)
@@ -84,15 +85,16 @@ class RemoteDrain:
         pin = getattr(writer, "pin_slot_files", None)
         if pin is None or not self.is_open(writer):
             return
-        with self._lock:
-            told = self._told[1] if self._told[0] == writer.gen else set()
-        new = [f for f in self._slots() if (f[0], f[3]) not in told]
-        if new:
-            self._note_told(writer.gen, new)
-            try:
-                pin(new)
-            except Exception:  # noqa: BLE001 - a dead writer: its successor is offered every slot
-                pass
+        with self._pin_lock:  # one at a time: each slot is told once
+            with self._lock:
+                told = self._told[1] if self._told[0] == writer.gen else set()
+            new = [f for f in self._slots() if (f[0], f[3]) not in told]
+            if new:
+                self._note_told(writer.gen, new)
+                try:
+                    pin(new)
+                except Exception:  # noqa: BLE001 - a dead writer: its successor is offered every slot
+                    pass
 
     def _note_told(self, gen: int, slots: list[tuple[int, str, int, int]]) -> None:
         with self._lock:
@@ -116,10 +118,15 @@ class RemoteDrain:
     def on_ready(self, gen: int, buf_id: int, error: str | None) -> None:
         """The writer's answer to an offer (its receiving thread)."""
         with self._lock:
-            if error is None:
+            opened = error is None
+            if opened:
                 self._open = (gen, buf_id)
-                return
-        self._refused(error)
+        if not opened:
+            self._refused(error)  # type: ignore[arg-type]
+            return
+        # Slots mapped since the offer (the one mapped ahead right after it): told now, from
+        # a thread of its own (this one reads the writer's answers, which a send may wait for).
+        threading.Thread(target=self.pin_ahead, name="incluster-pin-ahead", daemon=True).start()
 
     def _refused(self, why: str) -> None:
         if not self._said:

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     inv = load(args, err)
     if inv is None:
         return 2
-    missing = bool(inv.elsewhere(args.job))  # a --job that is not there: said, and the exit status is 1
+    missing = args.job is not None and args.job not in inv.jobs  # a --job that is not there: exit status 1
     if not inv.copies:
         out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}{inv.elsewhere(args.job)}"
                   f"{inv.rank_folders(args.dirs)}",

@@ -62,7 +62,7 @@ class DeviceDrains:
         """Map and page-lock slot files ahead of the drains into them (a drain pins what is missing)."""
         for index, path, size, gen in slots:
             try:
-                self.pin(self.service.map_slot(str(index), path, size, populate=False, gen=gen))
+                self.pin(self.service.map_slot(str(index), path, size, populate=False, gen=gen), ahead=True)
             except (OSError, ValueError):
                 pass  # the slot was renamed or resized by the trainer meanwhile: pinned when drained into
 
@@ -81,7 +81,10 @@ class DeviceDrains:
         finally:
             self.stream.synchronize()  # nothing reads the buffer once we answer
 
-    def pin(self, mm: mmap.mmap) -> torch.Tensor:
+    def pin(self, mm: mmap.mmap, ahead: bool = False) -> torch.Tensor:
+        """``mm`` page-locked (once per mapping). ``ahead``: before any drain into it, when
+        the trainer may be resizing the file: a refusal is not kept (nor taken as the file
+        system's), the drain into it tries again."""
         with self._lock:
             had = self._pinned.get(id(mm))
             if had is not None:
@@ -89,7 +92,9 @@ class DeviceDrains:
             t = torch.frombuffer(mm, dtype=torch.uint8)
             # In the buffer's GPU's context (the commit thread's current device is 0). Memory
             # that cannot be page-locked is drained into as it is (said once): slower copies.
-            locked = bool(t.numel()) and host_register(t.data_ptr(), t.numel(), self.device) is None
+            locked = bool(t.numel()) and host_register(t.data_ptr(), t.numel(), self.device, remember=not ahead) is None
+            if ahead and not locked:
+                return t
             self._pinned[id(mm)] = (t, self.device if locked else None)
             return t
 

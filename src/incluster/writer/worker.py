@@ -220,7 +220,10 @@ def serve(conn: Connection) -> None:
             send(Message(Kind.DEVICE_READY, gen, payload=msg.payload[0], error=err_text))
         elif msg.kind is Kind.PIN_SLOTS:
             if drains is not None:
-                drains.pin_files(msg.payload)
+                try:
+                    drains.pin_files(msg.payload)
+                except Exception as exc:  # noqa: BLE001 - an optimisation: the drain pins what it copies into
+                    print(f"incluster writer: could not page-lock slots ahead: {exc}", file=sys.stderr)
         elif msg.kind is Kind.PERSIST_AGAIN:  # behind the commits before it
             def again(step: int = msg.step, folder: str = msg.payload[0], timeline: int = msg.payload[1]) -> None:
                 service.upload_committed(folder, step, timeline, lambda err: send(
