@@ -56,6 +56,25 @@ def test_a_step_that_cannot_be_restored_is_refused_before_any_byte_lands(local_d
         assert ck.load(state) == 20  # a plain load still finds the newest
 
 
+def test_a_named_step_whose_only_copy_is_corrupt_is_refused_before_any_byte_lands(local_dir):
+    # With no older step to overwrite them, a bad copy's bytes landed in the live state and
+    # the error said both "nothing is loaded" and "partly overwritten".
+    _saved(local_dir, [10, 20])
+    shard = glob.glob(os.path.join(local_dir, "roll", "rank-00000", "step-000000000020.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 64)  # in the tensor's bytes: the first chunk, which lands first
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    state = _fresh()
+    with _ckpt(local_dir) as ck:
+        with pytest.raises(incluster.NoCheckpointError, match=r"load\(step=20\).*failed verification") as got:
+            ck.load(state, step=20)
+        assert "overwritten" not in str(got.value)
+        assert torch.equal(state["w"], torch.full((64,), -1.0)) and state["extra"]["step"] == -2  # untouched
+        assert ck.load(state, step=10) == 10 and torch.equal(state["w"], torch.full((64,), 10.0))
+
+
 def test_a_named_step_only_the_persistent_tier_holds_comes_from_there(local_dir, tmp_path):
     tier = str(tmp_path / "tier")
     _saved(local_dir, [10, 20, 30], persistent=tier, persistent_every=100)  # the tier gets the first save only

@@ -183,7 +183,10 @@ def open_outgoing(ctx: Any, mine: RankPlan, report: Any) -> tuple[list[tuple[str
     for owner in mine.sends:
         folder = rank_folder(ctx.local_dir, ctx.job, owner)
         try:
-            reader = ShardReader(folder, step, verify_checksum=False, populate=False)  # gloo reads it once
+            # gloo reads it once, the receiver checks each chunk; load(step=N), which has no
+            # older step to overwrite a bad copy's bytes with, checks it whole before sending
+            reader = ShardReader(folder, step, verify_checksum=getattr(ctx, "only_step", None) is not None,
+                                 populate=False)
             sc = reader.sidecar
             if sc.rank != owner or sc.job != ctx.job:
                 reader.close()

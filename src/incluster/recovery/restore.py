@@ -24,6 +24,7 @@ round succeeds the error says the state was partly overwritten.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import socket
 import time
@@ -33,7 +34,7 @@ from typing import Any, Mapping
 import torch
 
 from incluster.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, TierUnavailableError
-from incluster.format.checksum import core_share
+from incluster.format.checksum import core_share, verify
 from incluster.recovery.equivalent import SIDECAR_BAD
 from incluster.recovery.forward import forward_sidecars
 from incluster.recovery.from_persistent import Problem, download, fetch_old_shards, set_aside
@@ -127,7 +128,8 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
                 o.state.clear()
         if run.dirty:  # never let a caller mistake a partly overwritten state for an untouched one
             raise CheckpointError(
-                f"{exc}. The live state was already partly overwritten by this restore (bytes of a copy "
+                f"{str(exc).replace('; nothing is loaded', '')}. The live state was already partly overwritten "
+                f"by this restore (bytes of a copy "
                 f"that landed before this error, or of one that failed verification): rebuild it before "
                 f"training"
             ) from exc
@@ -138,6 +140,18 @@ def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
         raise
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _verify_whole(fd: int, sc: Any, path: str) -> None:
+    """:class:`CorruptCheckpointError` unless the shard at ``fd`` matches its record."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return
+    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    try:
+        verify(mm, sc.checksum, path)
+    finally:
+        mm.close()
 
 
 class _Run:
@@ -365,6 +379,10 @@ class _Run:
                 _check_world(sc, ctx, step)
                 if mesh_changed(self.state, sc.tree, ctx.allow_pickle):  # before any byte lands
                     return [_mesh_marker(self.report, step)]
+                if ctx.only_step is not None:
+                    # load(step=N) has no older step to overwrite a bad copy's bytes with:
+                    # the whole copy is checked before a byte lands (one more read of it)
+                    _verify_whole(fd, sc, path)
                 targets = direct_targets(
                     self.state, sc.tree, header, allow_pickle=ctx.allow_pickle, big=1, devices=("cpu", "cuda")
                 )
