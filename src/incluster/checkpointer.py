@@ -277,6 +277,13 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
             gone = self._writer_gone()
             if gone is not None:  # every save would fail in the background: say so here, each time
                 raise gone
+            if not os.path.isdir(self.ring.folder):  # every commit would fail on a vanished staging file
+                raise TierUnavailableError(
+                    f"save({step}): this rank's RAM folder {self.ring.folder} was removed while the job ran (the "
+                    f"steps it held are gone; systemd-logind's RemoveIPC=yes removes a user's /dev/shm files when "
+                    f"they log out, and so may a cleanup job): no save can land in it again. Restart the job (it "
+                    f"restores from other nodes' replicas or the persistent tier), and keep the folder from being "
+                    f"removed (RemoveIPC=no in /etc/systemd/logind.conf, or another local_dir)")
             if step <= self._restored:  # a slot need not hold the restored step (resharded, or not healed)
                 raise CheckpointError(
                     f"step {step} is not newer than step {self._restored}, which load() restored; checkpoint "

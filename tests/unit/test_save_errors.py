@@ -3,6 +3,8 @@ says so."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -57,3 +59,17 @@ def test_a_complex_tensor_is_refused_by_save_itself_and_the_next_save_lands(loca
         with pytest.raises(incluster.CheckpointError, match="complex64.*view_as_real"):
             ck.save(1, bad)
         ck.save(2, {"w": torch.ones(2)}).wait()
+
+
+def test_a_ram_folder_removed_under_the_running_job_is_named_with_the_cause_and_fix(local_dir):
+    # (systemd-logind's RemoveIPC at logout, a cleanup job): every commit failed on a
+    # vanished staging file, naming only the file
+    import shutil
+
+    import incluster
+
+    with incluster.Checkpointer(local_dir=local_dir, job="gone", writer="thread") as ck:
+        ck.save(1, {"w": torch.ones(64)}).wait()
+        shutil.rmtree(os.path.join(local_dir, "gone"))
+        with pytest.raises(incluster.TierUnavailableError, match=r"RAM folder .* was removed while the job ran.*Restart"):
+            ck.save(2, {"w": torch.ones(64)})
