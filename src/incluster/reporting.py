@@ -16,6 +16,7 @@ from typing import Any
 
 from incluster.errors import CheckpointError, PeerTimeoutError
 from incluster.handle import SaveHandle
+from incluster.writer.protocol import HEARTBEAT_S, STALL_S
 
 
 class ErrorReports:
@@ -27,6 +28,7 @@ class ErrorReports:
     _lock: threading.Lock
     _pending: list[SaveHandle]
     _errors: list[tuple[SaveHandle, BaseException]]
+    _writer: Any
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far has settled; raise the first background error
@@ -39,12 +41,22 @@ class ErrorReports:
             try:
                 h.durable.result(max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise PeerTimeoutError(f"step {h.step} did not become durable in time") from None
+                raise PeerTimeoutError(f"step {h.step} did not become durable in time{self._why_late()}") from None
             except BaseException:
                 pass  # collected in self._errors, raised below
         with self._lock:
             self._pending = [h for h in self._pending if not h.durable.done()]
         self._raise_errors()
+
+    def _why_late(self) -> str:
+        """What a save not durable in time may wait for, for its error."""
+        heard = getattr(self._writer, "heard_s", None)
+        quiet = heard() if callable(heard) else None
+        if quiet is not None and quiet > 3 * HEARTBEAT_S:
+            return (f": this rank's writer process (pid {self._writer.pid}) has sent nothing for {quiet:.0f} s, "
+                    f"not even its heartbeat (stopped, say by SIGSTOP or a debugger, or hung); after {STALL_S:.0f} s "
+                    f"of that it is killed and a new one takes over")
+        return ": this rank's writer is answering; another rank, or a replication partner, has not committed it (see the log)"
 
     def _raise_errors(self, peers: bool = True) -> None:
         """Raise the first background error not raised yet, the later ones named in a note

@@ -598,3 +598,20 @@ def test_a_checkpointer_made_on_a_thread_that_ends_keeps_its_writer(local_dir, m
         assert ck.writer_pid == pid and ck._writer_restarts == 0
     finally:
         ck.close()
+
+
+def test_a_save_not_durable_in_time_because_the_writer_is_stopped_says_so(local_dir):
+    # wait() said only "did not become durable in time": neither the cause nor what follows
+    with incluster.Checkpointer(local_dir=local_dir, job="stopped") as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait(60)
+        pid = ck.writer_pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            ck.save(2, {"w": torch.full((10,), 2.0)})
+            time.sleep(4)  # the writer's silence is seen after 3 missed heartbeats
+            with pytest.raises(incluster.PeerTimeoutError, match=r"step 2 .*writer process \(pid \d+\) has sent "
+                                                                  r"nothing for \d+ s.*SIGSTOP"):
+                ck.wait(timeout=1)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

@@ -264,6 +264,10 @@ class ProcessWriter:
         if req not in self.unsent_replicates:
             self.unsent_replicates.append(req)
 
+    def heard_s(self) -> float:
+        """Seconds since the writer last sent anything (its heartbeat included)."""
+        return time.monotonic() - self._heard
+
     def _watch(self) -> None:
         """A writer that sends nothing, not even its heartbeat, for ``STALL_S`` while it
         makes no progress either (no CPU time used, not waiting on I/O: stopped by SIGSTOP
