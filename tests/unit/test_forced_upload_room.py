@@ -13,10 +13,10 @@ from incluster.tiers.persistent import FsspecTier
 
 
 def test_a_save_after_a_forced_upload_waiting_behind_a_slow_one_gets_a_slot(local_dir, tmp_path):
-    tier = SlowTier(FsspecTier(str(tmp_path / "tier")), latency_s=1.5)  # every tier call: 1.5 s
+    tier = SlowTier(FsspecTier(str(tmp_path / "tier")), latency_s=0.8)  # every tier call: 0.8 s
     state = {"w": torch.zeros(1024)}
     with incluster.Checkpointer(local_dir=local_dir, job="forced", writer="thread", persistent=tier,
-                                persistent_every=1000, slot_timeout_s=1) as ck:
+                                persistent_every=1000, slot_timeout_s=0.5) as ck:
         handles = []
         for step in range(6):  # step 0's upload runs for many seconds; step 3 is forced behind it
             state["w"].fill_(float(step))
