@@ -273,7 +273,7 @@ class SlotRing(SlotFiles):
     def has_room(self) -> bool:
         """Whether :meth:`acquire` would take a slot now, without waiting."""
         with self._cond:
-            return self._free() is not None or len(self.slots) < self._limit() or self._oldest_superseded() is not None
+            return self._free() is not None or len(self.slots) < self.keep or self._oldest_superseded() is not None
 
     def free_slots(self) -> list[Slot]:
         """Slots that hold nothing and are not read by an upload (for ``prepare``-ing ahead:
@@ -421,21 +421,13 @@ class SlotRing(SlotFiles):
             self.keep += 1
             return True
 
-    def _limit(self) -> int:
-        """Slots the ring may hold: ``keep``, and one more beside each slot an upload holds
-        past the first. The tier's own slot (in ``keep``) covers the upload that runs; a
-        save(persist=True) waiting behind it holds a second, and with the newest step's
-        slot no slot was left to save into until the slow upload ended."""
-        held = sum(1 for s in self.slots if s.uploading)
-        return self.keep + max(0, held - 1)
-
     def _pick(self) -> Slot | None:
         """A free slot, else a new one (the ring not full yet), else the oldest one whose
         step a newer committed everywhere supersedes; None (nothing to take now)."""
         s = self._free()
         if s is not None:
             return s
-        if len(self.slots) < self._limit():
+        if len(self.slots) < self.keep:
             idx = self._next_index()
             s = Slot(idx, os.path.join(self.folder, f"{STAGING_PREFIX}{idx}"))
             self.slots.append(s)
@@ -546,8 +538,6 @@ class SlotRing(SlotFiles):
             os.unlink(slot.path)
         slot.path = os.path.join(self.folder, f"{STAGING_PREFIX}{slot.index}")
         slot.state, slot.step, slot.size = SlotState.FREE, None, 0
-        if len(self.slots) > self._limit():  # one made beside an upload that waited: gone with it
-            self.slots.remove(slot)
 
     def _let_go(self, slot: Slot) -> None:
         """Unregister (page-locked memory), unmap and close the slot's file."""
