@@ -34,7 +34,7 @@ from incluster.handle import SaveHandle
 from incluster.early_saves import EarlySaves
 from incluster.handover import HandOver
 from incluster.loading import LoadPipeline
-from incluster.saving import SavePipeline, writer_spawner
+from incluster.saving import SavePipeline
 from incluster.guard import ClonePool, StepGuard
 from incluster.recovery.restore import RestoreReport
 from incluster.reporting import ErrorReports, add_note
@@ -46,6 +46,7 @@ from incluster.tiers.local import rank_folder
 from incluster.writer.base import Writer
 from incluster.writer.process import ProcessWriter, next_generation
 from incluster.writer.protocol import WriterParams
+from incluster.writer.spawner import writer_spawner
 from incluster.writer.thread import ThreadWriter
 
 log = logging.getLogger("incluster")
@@ -326,10 +327,31 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
         with self._lock:
             self._inflight = job
             self._pending.append(handle)
-        self._stage_pool.submit(self._stage, job, handle)
+        try:
+            self._stage_pool.submit(self._stage, job, handle)
+        except RuntimeError as exc:  # its pool is shut down: the interpreter is exiting
+            self._not_staged(job, handle, exc)
         handle.blocked_s = time.perf_counter() - t0
         self.events.record(ev.SAVE, step=step, blocked_s=handle.blocked_s)
         return handle
+
+    def _not_staged(self, job: StageJob, handle: SaveHandle, exc: BaseException) -> None:
+        """save() found the staging thread gone (Python shuts thread pools down before the
+        ``atexit`` hooks run): nothing is left pending for wait() and close(); raised."""
+        err = CheckpointError(
+            f"save({job.step}) cannot be staged: {exc}. Python shuts its thread pools down before the exit "
+            f"hooks (atexit) run: save before the interpreter exits (at the end of training, or in a signal "
+            f"handler)")
+        with self._lock:
+            self._pending.remove(handle)
+            self._inflight = None
+        self.ring.release(job.slot)
+        for fut in (job.staged, handle.durable):
+            if not fut.done():
+                fut.set_exception(err)
+        handle.reported = True
+        job.host_done.set()
+        raise err from exc
 
     def _refused(self, step: int, exc: BaseException, seq: tuple[int, int, int]) -> None:
         """save(step) raised on this rank: publish the step as failed, so no partner waits

@@ -50,13 +50,22 @@ class ErrorReports:
 
     def _why_late(self) -> str:
         """What a save not durable in time may wait for, for its error."""
-        heard = getattr(self._writer, "heard_s", None)
+        writer = self._writer
+        dead = getattr(writer, "dead", None)
+        if dead is not None:
+            return f": this rank's writer process is gone ({dead}); a new one is starting"
+        started = getattr(writer, "started", None)
+        if started is not None and not started.done():
+            return ": this rank's writer process is still starting (a fresh interpreter importing torch)"
+        heard = getattr(writer, "heard_s", None)
         quiet = heard() if callable(heard) else None
         if quiet is not None and quiet > 3 * HEARTBEAT_S:
-            return (f": this rank's writer process (pid {self._writer.pid}) has sent nothing for {quiet:.0f} s, "
+            return (f": this rank's writer process (pid {writer.pid}) has sent nothing for {quiet:.0f} s, "
                     f"not even its heartbeat (stopped, say by SIGSTOP or a debugger, or hung); after {STALL_S:.0f} s "
                     f"of that it is killed and a new one takes over")
-        return ": this rank's writer is answering; another rank, or a replication partner, has not committed it (see the log)"
+        if getattr(self, "world_size", 1) > 1:
+            return ": this rank's writer is answering; another rank, or a replication partner, has not committed it"
+        return ""
 
     def _raise_errors(self, peers: bool = True) -> None:
         """Raise the first background error not raised yet, the later ones named in a note

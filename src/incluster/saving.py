@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from incluster.config import Config
@@ -38,6 +38,7 @@ from incluster.testing import faults
 from incluster.writer.base import Writer
 from incluster.writer.local_commit import CommitRequest
 from incluster.writer.process import ProcessWriter, next_generation
+from incluster.writer.spawner import writer_spawner
 from incluster.writer.protocol import WriterParams
 from incluster.writer.sequence import NO_MORE, SAME_STEPS
 
@@ -58,19 +59,6 @@ def _sidecar_of(folder: str, step: int, job: StageJob) -> bool:
     return job.layout is not None and sc.fingerprint == job.layout.fingerprint and sc.checksum.size == job.layout.total_size
 
 
-_spawn_pool: ThreadPoolExecutor | None = None
-_spawn_lock = threading.Lock()
-
-
-def writer_spawner() -> ThreadPoolExecutor:
-    """The thread that starts replacement writers. A writer is killed when the thread that
-    started it exits (PR_SET_PDEATHSIG follows the thread), so that thread must live as
-    long as the process: never a Checkpointer's staging thread, which ends at close()."""
-    global _spawn_pool
-    with _spawn_lock:
-        if _spawn_pool is None:
-            _spawn_pool = ThreadPoolExecutor(1, thread_name_prefix="incluster-spawn")
-        return _spawn_pool
 
 
 def own_error(err: BaseException, step: int) -> BaseException:

@@ -78,7 +78,7 @@ class TierSteps:
                 continue  # an upload never finished: no step of any run (retention clears it)
             try:
                 run = json.loads(bytes(self.tier.read(path))).get("run")  # type: ignore[arg-type]
-            except ValueError:
+            except (ValueError, CheckpointError):  # unreadable (or not a file: refused as damaged)
                 run = None  # unreadable: not this run's (it wrote every one of its own whole)
             if run != self.run:
                 out.append(s)

@@ -88,3 +88,15 @@ def test_a_manifest_with_an_absurd_world_size_is_skipped_not_a_memory_error(loca
     target = _state(0.0)
     with incluster.Checkpointer(local_dir=local_dir, job=JOB, writer="thread", persistent=root) as ck:
         assert ck.load(target) == 1 and torch.equal(target["w"], torch.full((4096,), 1.0))
+
+
+def test_a_folder_where_a_tier_manifest_is_looked_for_is_skipped_for_an_older_step(local_dir, tmp_path):
+    root = str(tmp_path / "tier")
+    _saved(local_dir, root)
+    shutil.rmtree(os.path.join(local_dir, JOB))
+    path = os.path.join(root, JOB, "step-000000000002", "COMMITTED.json")
+    os.unlink(path)
+    os.mkdir(path)
+    target = _state(0.0)
+    with incluster.Checkpointer(local_dir=local_dir, job=JOB, writer="thread", persistent=root) as ck:
+        assert ck.load(target) == 1 and torch.equal(target["w"], torch.full((4096,), 1.0))

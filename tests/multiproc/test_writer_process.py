@@ -615,3 +615,56 @@ def test_a_save_not_durable_in_time_because_the_writer_is_stopped_says_so(local_
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+EXIT_SCRIPT = textwrap.dedent('''
+    import atexit, os, sys, torch, incluster
+    ck = incluster.Checkpointer(local_dir=sys.argv[1], job="atexit")
+    ck.save(1, {"w": torch.ones(8)}).wait(60)
+
+    def last_words():  # a user's own exit hook: the writer must still be there, close() must not hang
+        with open(f"/proc/{ck.writer_pid}/stat") as f:
+            print("writer alive at exit" if f.read().split(")")[-1].split()[0] != "Z" else "WRITER GONE", flush=True)
+        try:
+            ck.save(2, {"w": torch.full((8,), 2.0)})
+        except incluster.CheckpointError as exc:  # the staging thread's pool is shut down by now
+            print("save at exit refused:", exc, flush=True)
+        ck.close()
+        print("closed at exit", flush=True)
+
+    atexit.register(last_words)
+    if os.fork() == 0:  # a child forked after a Checkpointer was made makes its own
+        try:
+            with incluster.Checkpointer(local_dir=sys.argv[1], job="child") as child:
+                child.save(1, {"w": torch.ones(8)}).wait(60)
+            print("child saved", flush=True)
+        finally:
+            os._exit(0)
+    os.wait()
+''')
+
+
+def test_a_forked_child_makes_its_own_checkpointer_and_exit_hooks_still_have_the_writer(local_dir, tmp_path):
+    """The thread that starts writers was a pool's: a forked child inherited the pool
+    without its thread (its Checkpointer() hung for ever), and the interpreter joined it
+    at exit before the atexit hooks (the writer died with it). A save() in such a hook
+    left a handle close() waited for slot_timeout_s."""
+    from incluster.testing import writer_server
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != writer_server.ENV}
+    out = subprocess.run([sys.executable, str(script), local_dir], capture_output=True, text=True, timeout=120, env=env)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and "child saved" in out.stdout and "writer alive at exit" in out.stdout, said
+    assert "save at exit refused: save(2) cannot be staged" in out.stdout and "closed at exit" in out.stdout, said
+
+
+def test_a_save_not_durable_in_time_while_the_writer_starts_says_so(local_dir, monkeypatch):
+    # wait() raised AttributeError (nothing heard from a writer not started yet)
+    monkeypatch.setenv(*next(iter(FaultInjector().fail_at(phase="writer-start", action="slow", seconds=5)
+                                  .env().items())))
+    with incluster.Checkpointer(local_dir=local_dir, job="starting") as ck:
+        ck.save(1, {"w": torch.ones(10)})
+        with pytest.raises(incluster.PeerTimeoutError, match="writer process is still starting"):
+            ck.wait(timeout=0.5)

@@ -73,7 +73,7 @@ def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int
             # the count first: range() of an absurd world size (a damaged record) is not built
             if world < 1 or len(records) != world or sorted(records) != list(range(world)):
                 raise ValueError("it lacks some rank's record")
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, CorruptCheckpointError) as exc:
             log.warning("incluster: persistent step %d has an unreadable manifest (%s); skipped", step, exc)
             exclude.update({("<persistent>", -1, step), (UNREADABLE, -1, step)})
             continue

@@ -174,7 +174,11 @@ class ProcessWriter:
         not read its socket for that long (stopped, deadlocked) is killed - the usual
         restart path takes over - instead of blocking the staging thread for ever."""
         with self._send_lock:
-            fut = self._tx.submit(self.conn.send, msg)
+            try:
+                fut = self._tx.submit(self.conn.send, msg)
+            except RuntimeError:  # thread pools are shut down: the interpreter is exiting (an atexit close())
+                self.conn.send(msg)
+                return
             try:
                 fut.result(self.send_timeout_s)
             except FutureTimeout:
@@ -264,9 +268,11 @@ class ProcessWriter:
         if req not in self.unsent_replicates:
             self.unsent_replicates.append(req)
 
-    def heard_s(self) -> float:
-        """Seconds since the writer last sent anything (its heartbeat included)."""
-        return time.monotonic() - self._heard
+    def heard_s(self) -> float | None:
+        """Seconds since the writer last sent anything (its heartbeat included); None
+        before it answered its start."""
+        heard = getattr(self, "_heard", None)
+        return None if heard is None else time.monotonic() - heard
 
     def _watch(self) -> None:
         """A writer that sends nothing, not even its heartbeat, for ``STALL_S`` while it

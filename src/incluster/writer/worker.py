@@ -271,9 +271,15 @@ def _replicate(service: object, step: int, own: object, timeline: int | None) ->
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def _unheeded(signum: int, frame: object) -> None:
+    """A stop meant for the trainer (see ``IGNORED``)."""
+
+
 def main() -> None:
     for sig in IGNORED:  # before the torch import: a second of the start is spent there
-        signal.signal(sig, signal.SIG_IGN)
+        # a handler that does nothing, not SIG_IGN: that would be inherited by the programs
+        # the writer runs (a storage client's credential helper), handlers are not
+        signal.signal(sig, _unheeded)
     import torch
 
     torch.set_num_threads(1)  # see ProcessWriter: no intra-op pool spinning beside the trainer
