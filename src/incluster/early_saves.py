@@ -89,7 +89,8 @@ class EarlySaves:
             f"than that start; the newer steps go on as usual"
             f"{' (and close() uploads the newest to the persistent tier)' if self.config.persistent else ''}. "
             f"Every slot held such a save: to keep every early step, wait for ckpt.prepare(state) after the "
-            f"first optimizer step (it resolves once the writer's start is over) or save less often in the first seconds of a run")
+            f"first optimizer step (it resolves once the writer's start is over) "
+            f"or save less often in the first seconds of a run")
         err.from_peer = True  # type: ignore[attr-defined]  # wait() and the handle say it; no later save() raises it
         log.log(logging.INFO if self._said_superseded else logging.WARNING, "incluster: rank %d: %s%s", self.rank,
                 err, "" if self._said_superseded else " (said once; later ones at INFO)")
