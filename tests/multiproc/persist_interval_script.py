@@ -30,6 +30,7 @@ def main() -> int:
     ck = incluster.Checkpointer(job="interval", replicas=1, persistent=persist, persistent_interval_s=1.0,
                                 keep=4, slot_timeout_s=60, writer=os.environ.get("WRITER", "process"))
     res: dict = {}
+    ck.prepare(state).result(120)  # the writer is up: step 4's timing is its commit's, not the writer's start
     try:
         handles = []
         for step in range(1, 7):
