@@ -346,11 +346,8 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
             self._pending.remove(handle)
             self._inflight = None
         self.ring.release(job.slot)
-        for fut in (job.staged, handle.durable):
-            if not fut.done():
-                fut.set_exception(err)
-        handle.reported = True
-        job.host_done.set()
+        handle.reported = True  # raised here, not again by wait() or close()
+        self._tell_failed(job, handle, err)
         raise err from exc
 
     def _refused(self, step: int, exc: BaseException, seq: tuple[int, int, int]) -> None:

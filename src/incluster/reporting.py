@@ -29,6 +29,7 @@ class ErrorReports:
     _pending: list[SaveHandle]
     _errors: list[tuple[SaveHandle, BaseException]]
     _writer: Any
+    world_size: int
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far has settled; raise the first background error
@@ -63,7 +64,7 @@ class ErrorReports:
             return (f": this rank's writer process (pid {writer.pid}) has sent nothing for {quiet:.0f} s, "
                     f"not even its heartbeat (stopped, say by SIGSTOP or a debugger, or hung); after {STALL_S:.0f} s "
                     f"of that it is killed and a new one takes over")
-        if getattr(self, "world_size", 1) > 1:
+        if self.world_size > 1:
             return ": this rank's writer is answering; another rank, or a replication partner, has not committed it"
         return ""
 

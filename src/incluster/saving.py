@@ -59,8 +59,6 @@ def _sidecar_of(folder: str, step: int, job: StageJob) -> bool:
     return job.layout is not None and sc.fingerprint == job.layout.fingerprint and sc.checksum.size == job.layout.total_size
 
 
-
-
 def own_error(err: BaseException, step: int) -> BaseException:
     """``err`` for step ``step`` alone: one error shared by several steps (a writer's death
     fails every save it held) is copied for each after the first, so a note added to one

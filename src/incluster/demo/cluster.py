@@ -64,11 +64,10 @@ def _reports(folder: str, world: int) -> dict[int, dict[str, Any]]:
 def _progress(folder: str, world: int) -> tuple[int, int]:
     """The step every rank has trained, and the newest step durable on every rank (-1: none)."""
     reps = _reports(folder, world)
-    steps = [max(map(int, r["losses"]), default=-1) for r in reps.values() if r.get("losses")]
-    durable = [r.get("durable", -1) for r in reps.values()]
     if len(reps) < world:
         return -1, -1
-    return (min(steps) if len(steps) == world else -1), min(durable, default=-1)
+    steps = [max(map(int, r["losses"]), default=-1) for r in reps.values() if r.get("losses")]
+    return (min(steps) if len(steps) == world else -1), min(r.get("durable", -1) for r in reps.values())
 
 
 def _stop(job: Job, grace: float = 3.0) -> None:

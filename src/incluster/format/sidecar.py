@@ -167,8 +167,7 @@ def open_regular(path: str, what: str) -> int:
         if not stat.S_ISREG(mode):
             kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode) else "not a regular file"
             raise CorruptCheckpointError(f"{path}: the {what} is {kind}, not a file")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

@@ -72,7 +72,7 @@ class RestoreReport:
     rounds: int = 0
     old_world: int | None = None  # resharded: the world size that saved the step
     from_tier: bool = False  # resharded: the old shards came from the persistent tier first
-    first_chosen: int | None = None  # the step the first round chose (newer than ``step``: its copies were bad)
+    first_chosen: int | None = None  # the step the first round chose (newer than ``step``: it could not be restored)
     notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
