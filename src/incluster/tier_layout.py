@@ -2,8 +2,10 @@
 
 ``<persistent>/<job>/step-SSSSSSSSSSSS/`` holds ``rank-RRRRR.{safetensors,json}`` for every
 rank and, once every rank's shard is there, ``COMMITTED.json``: the manifest, every
-rank's shard size and checksums. Readers trust a step only if its manifest exists, and
-pass over one a restore set aside (``SET_ASIDE.json``: a copy of it was found bad).
+rank's shard size and checksums. ``<job>/RUN.json`` names the run that uploads the
+job's steps: a run replaced by a later one stops uploading. Readers trust a step only if
+its manifest exists, and pass over one a restore set aside (``SET_ASIDE.json``: a copy
+of it was found bad).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from incluster.errors import TierUnavailableError
 
 log = logging.getLogger("incluster")
 MANIFEST = "COMMITTED.json"
+OWNER = "RUN.json"  # <job>/RUN.json: the run that uploads the job's steps (tier_steps.TierSteps._claim)
 ROLLED_BACK = "abandoned by load(step="  # how a step a rollback left is set aside (its marker's why)
 SET_ASIDE = "SET_ASIDE.json"  # a restore found a copy of the step bad: passed over, never counted by retention
 STEP_FOLDER = re.compile(r"^step-(\d{12,})$")

@@ -1,16 +1,20 @@
 """Rank 0's side of the persistent tier's steps: opening a step before any rank writes
 it (refusing to fork another run's timeline, clearing another timeline's manifest of
-the same step) and retention (the newest ``keep`` manifested steps stay)."""
+the same step), the job's owner record (one run uploads at a time) and retention (the
+newest ``keep`` manifested steps stay)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import time
 from typing import Any
 
 from incluster.errors import CheckpointError
-from incluster.tier_layout import (MANIFEST, ROLLED_BACK, SET_ASIDE, STEP_FOLDER, manifested_steps, set_aside_reason,
-                                   step_dir)
+from incluster.tier_layout import (MANIFEST, OWNER, ROLLED_BACK, SET_ASIDE, STEP_FOLDER, manifested_steps,
+                                   set_aside_reason, step_dir)
 
 log = logging.getLogger("incluster")
 
@@ -22,6 +26,7 @@ class TierSteps:
         self.run = run  # this Checkpointer's run id: the manifests it wrote carry it
         self._newer_told = False  # the steps of a timeline not continued were named
         self._older_checked = False  # the older steps in the tier were found this run's own
+        self._owned = False  # this run wrote the job's owner record: another run's there later took over
 
     def open(self, step: int, *, loaded: bool, again: bool) -> None:
         """Rank 0, before any rank writes ``step``: steps only increase within a run, so a
@@ -32,6 +37,7 @@ class TierSteps:
         have gone back past them for a passing reason (a read that failed, a tier it could
         not list); retention never counts them, and deletes them once they are older than
         the steps it keeps."""
+        self._fence(f"step {step}")
         names = self.tier.list(self.job)
         steps = {int(m.group(1)) for m in map(STEP_FOLDER.match, names) if m}
         newer = sorted(s for s in steps if s > step)
@@ -67,6 +73,46 @@ class TierSteps:
             self.tier.delete(f"{step_dir(self.job, step)}/{MANIFEST}")
         if SET_ASIDE in listing:  # another timeline's copy was bad: not a verdict on this run's
             self.tier.delete(f"{step_dir(self.job, step)}/{SET_ASIDE}")
+        if not self._owned:
+            self._claim()
+
+    def _owner(self) -> dict[str, Any] | None:
+        """The job's owner record (``<job>/RUN.json``: the run that uploads its steps), or
+        None when there is none or it cannot be read (a run that wrote one reads it whole)."""
+        try:
+            owner = json.loads(bytes(self.tier.read(f"{self.job}/{OWNER}")))  # type: ignore[arg-type]
+        except FileNotFoundError:
+            return None
+        except (ValueError, CheckpointError):  # unreadable, or not a file: taken as no record
+            return None
+        return owner if isinstance(owner, dict) else None
+
+    def _fence(self, what: str) -> None:
+        """Refuse ``what`` once another run took the job's tier over after this one owned
+        it: this run is a leftover of an earlier launch (a node thought dead, an allocation
+        not ended) still training beside the run that replaced it, and its uploads and
+        retention would overwrite or delete that run's steps."""
+        if not self._owned:
+            return
+        owner = self._owner()
+        if owner is None or owner.get("run") == self.run:
+            return
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(owner.get("time", 0))))
+        raise CheckpointError(
+            f"another run of job {self.job!r} took over its persistent tier at {since} (host "
+            f"{owner.get('host', '?')}, pid {owner.get('pid', '?')}, run {owner.get('run')}): this run is no "
+            f"longer the job's, so {what} is not uploaded and its retention deletes nothing. If that run is "
+            f"the one meant to train, stop this one; to run both, give one another job name")
+
+    def _claim(self) -> None:
+        """Record this run as the job's owner: a run it replaced stops uploading at its next step."""
+        before = self._owner()
+        body = {"run": self.run, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+        self.tier.write(f"{self.job}/{OWNER}", memoryview(json.dumps(body).encode()))
+        self._owned = True
+        if before is not None and before.get("run") != self.run:
+            log.info("incluster: this run now owns job %r's persistent tier, after run %s (host %s): that run, "
+                     "if it still trains, uploads no more", self.job, before.get("run"), before.get("host", "?"))
 
     def _others(self, steps: list[int]) -> list[int]:
         """Which of ``steps`` (older than the one opened) another run manifested: not this
@@ -85,7 +131,9 @@ class TierSteps:
         return out
 
     def retention(self, newest: int, keep: int) -> None:
-        """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older."""
+        """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older.
+        Nothing, once another run took the job over (:meth:`_fence`)."""
+        self._fence(f"retention after step {newest}")
         kept = [s for s in manifested_steps(self.tier, self.job) if s <= newest][: keep]
         if not kept:
             return

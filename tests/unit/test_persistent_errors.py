@@ -140,13 +140,14 @@ def test_an_endpoint_that_refuses_connections_is_named_as_such_and_tried_once(lo
 
 
 def test_close_failing_to_upload_the_newest_step_says_so_at_warning(local_dir, tmp_path, caplog):
-    """The tier fails every write after step 0's upload. Step 1's failure is warned of;
+    """The tier fails every write after step 0's upload (the job's owner record, shard,
+    sidecar, manifest). Step 1's failure is warned of;
     step 2 is skipped (step 1's upload still runs), so close() uploads it, and that fails
     the same way: it was logged at INFO as a repeat, and with default logging nobody
     learned that the run's last state never reached the tier."""
     from incluster.testing import SlowTier
 
-    tier = SlowTier(FaultyTier(FsspecTier(str(tmp_path / "persist")), ops=("write",), after=3), latency_s=0.3)
+    tier = SlowTier(FaultyTier(FsspecTier(str(tmp_path / "persist")), ops=("write",), after=4), latency_s=0.3)
     caplog.set_level(logging.INFO, logger="incluster")
     with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=tier,
                                 persistent_every=1) as ck:

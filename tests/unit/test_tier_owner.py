@@ -1,0 +1,73 @@
+"""One run uploads a job's steps at a time: a run replaced by a later launch of the job
+(a node thought dead, an allocation never ended) while it still trains stops uploading,
+and never deletes the later run's steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import incluster
+from incluster import commit
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((4000,), v)}
+
+
+def _manifests(root: str) -> list[int]:
+    job = os.path.join(root, "p")
+    return sorted(int(n[5:]) for n in os.listdir(job) if os.path.exists(os.path.join(job, n, "COMMITTED.json")))
+
+
+def test_a_run_another_launch_took_over_uploads_no_more_and_deletes_none_of_its_steps(local_dir, tmp_path,
+                                                                                      monkeypatch, caplog):
+    root = str(tmp_path / "persist")
+    kw = dict(job="p", writer="thread", persistent=root, persistent_every=1, persistent_keep=2)
+    old = incluster.Checkpointer(local_dir=local_dir, **kw)
+    new_dir = str(tmp_path / "other-node")  # RAM of the nodes the later launch got
+    os.makedirs(new_dir)
+    try:
+        for step in (1, 2):
+            assert old.save(step, _state(float(step))).persisted.result(60)
+        monkeypatch.setattr(commit, "_run_id", "the-later-launch")
+        with incluster.Checkpointer(local_dir=new_dir, **kw) as new:
+            target = _state(0.0)
+            assert new.load(target) == 2 and torch.equal(target["w"], _state(2.0)["w"])
+            assert new.save(3, _state(3.0)).persisted.result(60)
+            owner = json.load(open(os.path.join(root, "p", "RUN.json")))
+            assert owner["run"] == "the-later-launch" and owner["pid"] == os.getpid()
+            for step in (4, 5):  # the leftover run goes on training
+                h = old.save(step, _state(-float(step)))
+                h.wait()  # its own RAM copies still commit
+                with pytest.raises(incluster.CheckpointError, match=r"another run of job 'p' took over its "
+                                   r"persistent tier .*run the-later-launch.*stop this one"):
+                    h.persisted.result(60)
+            assert _manifests(root) == [2, 3]  # its steps 4 and 5 would have pushed 3 out
+            assert new.save(6, _state(6.0)).persisted.result(60)
+        assert _manifests(root) == [3, 6]
+    finally:
+        old.close()
+        shutil.rmtree(new_dir, ignore_errors=True)
+    shutil.rmtree(os.path.join(local_dir, "p"))
+    target = _state(0.0)
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root) as ck:
+        assert ck.load(target) == 6 and torch.equal(target["w"], _state(6.0)["w"])
+
+
+def test_a_later_run_takes_the_job_over_from_one_that_ended(local_dir, tmp_path, monkeypatch):
+    """The usual restart: the new run claims the job at its first upload and goes on."""
+    root = str(tmp_path / "persist")
+    kw = dict(job="p", writer="thread", persistent=root, persistent_every=1)
+    with incluster.Checkpointer(local_dir=local_dir, **kw) as ck:
+        assert ck.save(1, _state(1.0)).persisted.result(60)
+    monkeypatch.setattr(commit, "_run_id", "restarted")
+    with incluster.Checkpointer(local_dir=local_dir, **kw) as ck:
+        assert ck.load(_state(0.0)) == 1
+        for step in (2, 3):
+            assert ck.save(step, _state(float(step))).persisted.result(60)
+    assert json.load(open(os.path.join(root, "p", "RUN.json")))["run"] == "restarted"
