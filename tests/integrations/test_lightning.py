@@ -130,5 +130,5 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
     assert res["tiered"][0] == 10  # the fit's last step reaches the persistent tier whatever its schedule
     assert res["early_tier"][0] == 16 and os.path.exists(os.path.join(tier, "early-tier", "step-000000000016",
                                                                       "COMMITTED.json"))
-    assert sorted(os.listdir(os.path.join(tier, "tiered"))) == ["step-000000000003", "step-000000000010"]
+    assert sorted(n for n in os.listdir(os.path.join(tier, "tiered")) if n.startswith("step-")) == ["step-000000000003", "step-000000000010"]
     assert os.path.exists(os.path.join(tier, "tiered", "step-000000000010", "COMMITTED.json"))
