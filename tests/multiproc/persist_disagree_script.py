@@ -33,7 +33,9 @@ def main() -> int:
     res: dict = {}
     try:
         for step in range(2):
-            ck.save(step, state).wait(60)
+            h = ck.save(step, state)
+            h.wait(60)
+            h.persisted.result(60)  # one upload at a time: a due step 2 is never skipped behind step 1's
         h = ck.save(2, state, persist=True if rank == 0 else None)
         h.wait(60)
         t0 = time.monotonic()
