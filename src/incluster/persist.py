@@ -28,7 +28,7 @@ from incluster.commit import Coordinator, Outcome
 from incluster.errors import CheckpointError
 from incluster.testing import faults
 from incluster.tier_layout import MANIFEST, step_dir
-from incluster.tier_steps import TierSteps
+from incluster.tier_steps import TierSteps, began_of
 from incluster.tiers.persistent import open_tier
 
 log = logging.getLogger("incluster")
@@ -469,7 +469,8 @@ class Uploader:
         view = memoryview(buf)[:size] if size else memoryview(b"")
         if self.p.rank == 0:
             self._retry("opening the step in the persistent tier",
-                        lambda: self.steps.open(step, loaded=self.loaded, again=self._timeline >= AGAIN))
+                        lambda: self.steps.open(step, loaded=self.loaded, again=self._timeline >= AGAIN,
+                                                began=began_of(sidecar)))
             coord.persist_gate(step, "ok", 0)
         else:  # nothing is written before rank 0 found the step free to write
             gate = waits.persist_gate(step, None, self.p.timeout_s)

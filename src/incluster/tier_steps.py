@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -27,8 +28,9 @@ class TierSteps:
         self._newer_told = False  # the steps of a timeline not continued were named
         self._older_checked = False  # the older steps in the tier were found this run's own
         self._owned = False  # this run wrote the job's owner record: another run's there later took over
+        self.began = 0  # rank 0's clock (ns) when this run's Checkpointer started (the sidecars' lineage)
 
-    def open(self, step: int, *, loaded: bool, again: bool) -> None:
+    def open(self, step: int, *, loaded: bool, again: bool, began: int = 0) -> None:
         """Rank 0, before any rank writes ``step``: steps only increase within a run, so a
         manifest of ``step`` or a newer step already in the tier is from another timeline.
         A run that never called load() would fork that timeline (and a restore would prefer
@@ -36,7 +38,9 @@ class TierSteps:
         goes, so it never vouches for the new shards. Newer steps are kept: the restore may
         have gone back past them for a passing reason (a read that failed, a tier it could
         not list); retention never counts them, and deletes them once they are older than
-        the steps it keeps."""
+        the steps it keeps. ``began``: rank 0's clock (ns) when the run started, which orders
+        runs that claim the job (:meth:`_fence`)."""
+        self.began = max(self.began, began)
         self._fence(f"step {step}")
         names = self.tier.list(self.job)
         steps = {int(m.group(1)) for m in map(STEP_FOLDER.match, names) if m}
@@ -58,6 +62,8 @@ class TierSteps:
                     f"did not call load(): its uploads would fork that job's timeline, and retention would delete "
                     f"them. Call load() first to go on from them, or name a new job")
             self._older_checked = True
+        if not self._owned:
+            self._claim(sorted(steps, reverse=True)[:3])
         if newer and not self._newer_told:
             # a rollback set them aside on purpose (load(step=N)): nothing to tell
             newer = [s for s in newer if not (set_aside_reason(self.tier, self.job, s) or "").startswith(ROLLED_BACK)]
@@ -73,8 +79,6 @@ class TierSteps:
             self.tier.delete(f"{step_dir(self.job, step)}/{MANIFEST}")
         if SET_ASIDE in listing:  # another timeline's copy was bad: not a verdict on this run's
             self.tier.delete(f"{step_dir(self.job, step)}/{SET_ASIDE}")
-        if not self._owned:
-            self._claim()
 
     def _owner(self) -> dict[str, Any] | None:
         """The job's owner record (``<job>/RUN.json``: the run that uploads its steps), or
@@ -88,31 +92,52 @@ class TierSteps:
         return owner if isinstance(owner, dict) else None
 
     def _fence(self, what: str) -> None:
-        """Refuse ``what`` once another run took the job's tier over after this one owned
-        it: this run is a leftover of an earlier launch (a node thought dead, an allocation
+        """Refuse ``what`` once another run took the job's tier over: one that owns it after
+        this one did, or that started later (a writer started again has not claimed yet).
+        This run is then a leftover of an earlier launch (a node thought dead, an allocation
         not ended) still training beside the run that replaced it, and its uploads and
         retention would overwrite or delete that run's steps."""
-        if not self._owned:
-            return
         owner = self._owner()
         if owner is None or owner.get("run") == self.run:
             return
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(owner.get("time", 0))))
+        if not self._owned and _int(owner.get("began")) <= self.began:
+            return  # an earlier run's record: this run takes the job over (:meth:`_claim`)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_num(owner.get("time"))))
         raise CheckpointError(
             f"another run of job {self.job!r} took over its persistent tier at {since} (host "
             f"{owner.get('host', '?')}, pid {owner.get('pid', '?')}, run {owner.get('run')}): this run is no "
             f"longer the job's, so {what} is not uploaded and its retention deletes nothing. If that run is "
             f"the one meant to train, stop this one; to run both, give one another job name")
 
-    def _claim(self) -> None:
-        """Record this run as the job's owner: a run it replaced stops uploading at its next step."""
+    def _claim(self, newest: list[int]) -> None:
+        """Record this run as the job's owner: a run it replaced stops uploading at its next
+        step. Warns when that run manifested one of the ``newest`` steps after this one
+        started: it still trains."""
         before = self._owner()
-        body = {"run": self.run, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+        body = {"run": self.run, "began": self.began, "time": time.time(), "host": socket.gethostname(),
+                "pid": os.getpid()}
         self.tier.write(f"{self.job}/{OWNER}", memoryview(json.dumps(body).encode()))
         self._owned = True
-        if before is not None and before.get("run") != self.run:
-            log.info("incluster: this run now owns job %r's persistent tier, after run %s (host %s): that run, "
-                     "if it still trains, uploads no more", self.job, before.get("run"), before.get("host", "?"))
+        if before is None or before.get("run") == self.run:
+            return
+        late = next((s for s in newest if self._manifested_after(s, before.get("run"))), None)
+        if late is not None:
+            log.warning("incluster: run %s of job %r (host %s, pid %s) uploaded step %d after this run started: it "
+                        "still trains. This run now owns the job's persistent tier, so that run uploads no more; "
+                        "stop it if it is a leftover", before.get("run"), self.job, before.get("host", "?"),
+                        before.get("pid", "?"), late)
+        else:
+            log.info("incluster: this run now owns job %r's persistent tier, after run %s (host %s)", self.job,
+                     before.get("run"), before.get("host", "?"))
+
+    def _manifested_after(self, step: int, run: Any) -> bool:
+        """Whether ``run`` manifested ``step`` after this run started."""
+        try:
+            manifest = json.loads(bytes(self.tier.read(f"{step_dir(self.job, step)}/{MANIFEST}")))  # type: ignore[arg-type]
+        except (OSError, ValueError, CheckpointError):  # no manifest (yet), or unreadable
+            return False
+        return isinstance(manifest, dict) and manifest.get("run") == run and \
+            _num(manifest.get("created")) * 1e9 > self.began > 0
 
     def _others(self, steps: list[int]) -> list[int]:
         """Which of ``steps`` (older than the one opened) another run manifested: not this
@@ -141,3 +166,27 @@ class TierSteps:
             m = STEP_FOLDER.match(name)
             if m and int(m.group(1)) < min(kept):
                 self.tier.delete(f"{self.job}/{name}")
+
+
+def _int(value: Any) -> int:
+    """A whole number from a record (exact: clocks in ns), 0 when it is missing or not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else int(_num(value))
+
+
+def _num(value: Any) -> float:
+    """A number from a record, 0 when it is missing or not a finite one."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return out if math.isfinite(out) else 0.0
+
+
+def began_of(sidecar: bytes) -> int:
+    """When the run that saved a step started (rank 0's clock, ns: its lineage's first
+    field), from the step's sidecar; 0 when it does not say."""
+    try:
+        lineage = json.loads(sidecar).get("lineage")
+        return _int(lineage[0]) if isinstance(lineage, list) and lineage else 0
+    except (ValueError, AttributeError):
+        return 0

@@ -38,7 +38,11 @@ def test_a_run_another_launch_took_over_uploads_no_more_and_deletes_none_of_its_
         with incluster.Checkpointer(local_dir=new_dir, **kw) as new:
             target = _state(0.0)
             assert new.load(target) == 2 and torch.equal(target["w"], _state(2.0)["w"])
+            assert old.save(3, _state(-3.0)).persisted.result(60)  # the leftover still owns the tier
+            caplog.clear()
             assert new.save(3, _state(3.0)).persisted.result(60)
+            said = [r.getMessage() for r in caplog.records if "still trains" in r.getMessage()]
+            assert len(said) == 1 and "uploaded step 3 after this run started" in said[0], said
             owner = json.load(open(os.path.join(root, "p", "RUN.json")))
             assert owner["run"] == "the-later-launch" and owner["pid"] == os.getpid()
             for step in (4, 5):  # the leftover run goes on training
@@ -71,3 +75,21 @@ def test_a_later_run_takes_the_job_over_from_one_that_ended(local_dir, tmp_path,
         for step in (2, 3):
             assert ck.save(step, _state(float(step))).persisted.result(60)
     assert json.load(open(os.path.join(root, "p", "RUN.json")))["run"] == "restarted"
+
+
+def test_a_leftover_runs_restarted_writer_does_not_take_the_job_back(tmp_path):
+    """The fence holds for a writer started again in the leftover run, which has not
+    claimed the job itself: the run that started later owns it."""
+    from incluster.tier_steps import TierSteps
+    from incluster.tiers.persistent import open_tier
+
+    tier = open_tier(str(tmp_path / "persist"))
+    old, new = TierSteps(tier, "p", "old"), TierSteps(tier, "p", "new")
+    old.open(1, loaded=False, again=False, began=100)
+    new.open(2, loaded=True, again=False, began=200)
+    with pytest.raises(incluster.CheckpointError, match="run new"):
+        TierSteps(tier, "p", "old").open(3, loaded=True, again=False, began=100)
+    with pytest.raises(incluster.CheckpointError, match="retention after step 3"):
+        old.retention(3, 1)
+    new.open(3, loaded=True, again=False, began=200)  # the owner goes on
+    assert json.loads(bytes(tier.read("p/RUN.json")))["run"] == "new"
