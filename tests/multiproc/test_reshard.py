@@ -164,6 +164,25 @@ def test_ranks_that_disagree_on_the_rule_stop_together_with_the_reason(local_dir
 
 
 @pytest.mark.parametrize("where", ["ram", "tier"])
+def test_the_refuse_rule_says_so_from_ram_and_from_the_tier(local_dir, fsdp4, where):
+    """From the tier, the step saved by 4 ranks was passed over with a bare warning, and
+    load() ended saying its copies "failed verification or do not fit this job", advising
+    to delete the node folders and the tier: good checkpoints."""
+    out, env = _copy(fsdp4, local_dir)
+    if where == "tier":
+        for n in NODES:
+            shutil.rmtree(os.path.join(local_dir, n))
+    job = launch([SCRIPT, out, "load"], nodes=["n0", "n1", "n2"], ranks_per_node=1, base_dir=local_dir,
+                 env={**env, "WRITER": "thread", "RESHARD_RULE": "refuse"})
+    codes = job.wait(120)
+    outs = [job.output(r) for r in range(3)]
+    assert all(c != 0 for c in codes), codes
+    said = "step 3 was saved by 4 ranks and this job has 3; reshard_rank_state='refuse' forbids restoring it here"
+    assert all(said in o and "Restart with 4 ranks" in o for o in outs), [o[-1500:] for o in outs]
+    assert not any("start afresh" in o or "old shards fetched" in o for o in outs), [o[-1500:] for o in outs]
+
+
+@pytest.mark.parametrize("where", ["ram", "tier"])
 def test_an_integration_that_cannot_resize_refuses_before_anything_is_restored(local_dir, fsdp4, where):
     """Lightning and accelerate refused a step saved by another number of processes only
     after load() had restored it into the live state, right after a warning that read as

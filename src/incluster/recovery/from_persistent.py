@@ -108,7 +108,7 @@ def persistent_plan(
             exclude.add(("<persistent>", -1, step))
             continue
         if world != ctx.world_size or remesh:
-            if shared is None or node_index is None or (ctx.rank_state == "refuse" and world != ctx.world_size):
+            if shared is None or node_index is None:  # "refuse" is said by the restore, as from RAM
                 log.warning("incluster: persistent step %d was saved by %d ranks; this job has %d", step, world,
                             ctx.world_size)
                 exclude.add(("<persistent>", -1, step))

@@ -203,6 +203,11 @@ class _Run:
                 from incluster.integrations.rng import resize_refusal
 
                 raise CheckpointError(resize_refusal(mine.step, mine.world, ctx.world_size, ctx.refuse_resize, ctx.job))
+            if mine.world is not None and mine.world != ctx.world_size and ctx.rank_state == "refuse":
+                raise CheckpointError(  # the same on every rank, before a byte lands or a tier shard is fetched
+                    f"step {mine.step} was saved by {mine.world} ranks and this job has {ctx.world_size}; "
+                    f"reshard_rank_state='refuse' forbids restoring it here. Restart with {mine.world} ranks, or "
+                    f"set reshard_rank_state to 'same-rank' or 'rank0'")
             if mine.world is not None and (mine.world != ctx.world_size or mine.reshard):
                 self.dirty, self.loaded = self.dirty or self.loaded is not None, None
                 report.from_tier = mine.persistent is not None
