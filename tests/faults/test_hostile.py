@@ -123,8 +123,9 @@ def test_a_sidecar_deeper_than_the_loader_allows_is_refused(local_dir, caplog):
     for step in (1,):  # the older step is gone too: only the hostile one is left
         for p in _paths(local_dir, step):
             os.unlink(p)
-    with pytest.raises(incluster.NoCheckpointError, match=r"copies of step\(s\) \[2\] failed verification"):
+    with pytest.raises(incluster.NoCheckpointError, match=r"copies of step\(s\) \[2\] failed verification") as got:
         _load(local_dir)  # never a silent fresh start while a (bad) checkpoint exists
+    assert "name a new job" in str(got.value) and "delete" not in str(got.value)  # never advice that destroys copies
     assert "nested deeper" in caplog.text
 
 

@@ -178,7 +178,7 @@ def test_every_copy_of_a_rank_bad_is_said_as_such_not_as_lost():
     assert isinstance(said, str)
     assert said.startswith("no step has a good copy of every rank's shard: copies of step(s) [25, 30] failed "
                            "verification"), said
-    assert "step 30 now lacks rank(s) [0]" in said and "Restore the copies from a backup" in said
+    assert "step 30 now lacks rank(s) [0]" in said and "name a new job (job=...)" in said
 
 
 def test_gather_to_zero_alone():

@@ -125,9 +125,11 @@ def plan_round(
                 lacking = f"; step {newest} now lacks rank(s) {plan.missing[newest]}"
             msg = (
                 f"no step has a good copy of every rank's shard: copies of step(s) {bad} failed verification or do "
-                f"not fit this job (see the log for each copy and why){lacking}; nothing is loaded. Restore the "
-                f"copies from a backup, or delete {os.path.join(ctx.local_dir, ctx.job)} on every node (and the "
-                f"persistent tier's {ctx.job}/ folder) to start afresh"
+                f"not fit this job (see the log for each copy and why){lacking}; nothing is loaded. `incluster ls` "
+                f"and `incluster verify` show what there is. To start afresh, name a new job (job=...); the copies "
+                f"in {os.path.join(ctx.local_dir, ctx.job)} on each node"
+                + ("" if ctx.persistent is None else f" and in the persistent tier's {ctx.job}/ folder")
+                + " stay until you remove them"
             )
             plans = [msg] * ctx.world_size
         elif plan.step is None and plan.missing:
@@ -139,8 +141,9 @@ def plan_round(
                 f"no step has a copy of every rank's shard on the current nodes: step {newest} lacks "
                 f"{whose}; older steps lack others"
                 + ("" if ctx.persistent is None else ", and the persistent tier has no complete step")
-                + f". Configure a persistent tier (persistent=...) to survive this, or delete "
-                f"{os.path.join(ctx.local_dir, ctx.job)} on every node to start afresh"
+                + f". A restart on the nodes that hold the missing shards restores it; a persistent tier "
+                f"(persistent=...) survives such losses. To start afresh, name a new job (job=...); the copies in "
+                f"{os.path.join(ctx.local_dir, ctx.job)} on each node stay until you remove them"
             )
             plans = [msg] * ctx.world_size
         else:
