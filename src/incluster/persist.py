@@ -225,6 +225,8 @@ class Uploader:
                     mine = self._deciding.pop(key, None) is not None  # else cancel() reported it
                 self._publish_failure(step, why, timeline)  # a rank that did upload it waits no longer
                 if mine:
+                    log.warning("incluster: rank %d: %s; step %d is not in the persistent tier", self.p.rank, why,
+                                step)
                     self._report(done, why)
                 return
             while not self._busy.acquire(timeout=0.5):

@@ -71,5 +71,7 @@ def test_ranks_that_disagree_on_persist_are_told_at_once_not_after_slot_timeout_
         assert os.path.exists(manifest)
         return
     assert "only 1 of 2 ranks upload step 2" in r0.get("error", ""), r0
+    said = "rank 0: save(2, persist=True): only 1 of 2 ranks upload step 2"  # in the log: no one reads persisted
+    assert said in job.output(0) and "step 2 is not in the persistent tier" in job.output(0), job.output(0)[-2000:]
     assert r1 == {"persisted": False, "persisted_s": r1["persisted_s"], "close_s": r1["close_s"]}, r1
     assert not os.path.exists(manifest)
