@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -28,6 +29,7 @@ from incluster.state import snapshot
 from incluster.testing import faults
 
 log = logging.getLogger("incluster")
+_SIDECAR = re.compile(r"^step-(\d{12,})\.json$")
 
 
 class LoadPipeline:
@@ -145,9 +147,13 @@ class LoadPipeline:
         heal = ctx.heal
         log.info("%s", report.line())
         if report.step is None and self.rank == 0 and self._job_derived:
+            others = _other_jobs(self.config.local_dir, self.config.job)
+            held = "" if not others else f". {self.config.local_dir} holds " + ", ".join(
+                f"job {j!r} (newest step {n})" for j, n in others)
             log.warning("incluster: nothing to restore for job %r, a name derived from this launch (the "
                         "script and folder, or torchrun's run id or rendezvous endpoint); if this run should "
-                        "resume an earlier one launched otherwise, pass job= or set INCLUSTER_JOB", self.config.job)
+                        "resume an earlier one launched otherwise, pass job= or set INCLUSTER_JOB%s",
+                        self.config.job, held)
         if report.step is not None and (report.first_chosen or -1) > report.step and self.rank == 0:
             log.warning("incluster: restored step %d, not the newer step %d, which could not be restored (see the "
                         "messages above); training goes on from step %d", report.step, report.first_chosen, report.step)
@@ -220,3 +226,29 @@ class LoadPipeline:
             self._stage_pool.submit(self._prepare, snap, False)
         except Exception as exc:  # noqa: BLE001 - an optimisation only; save() reports real problems
             log.debug("incluster: slots not prepared after load: %s", exc)
+
+
+def _other_jobs(local_dir: str, job: str) -> list[tuple[str, int]]:
+    """Other jobs with steps in this node's ``local_dir`` (their newest step): a relaunch
+    whose derived name changed (another rendezvous port, say) finds them named. At most 3."""
+    found: list[tuple[str, int]] = []
+    try:
+        names = sorted(os.listdir(local_dir))
+    except OSError:
+        return []
+    for name in names:
+        if name == job or len(found) == 3:
+            continue
+        newest = -1
+        try:
+            for rank in os.scandir(os.path.join(local_dir, name)):
+                if rank.name.startswith("rank-") and rank.is_dir(follow_symlinks=False):
+                    for f in os.scandir(rank.path):
+                        m = _SIDECAR.match(f.name)
+                        if m:
+                            newest = max(newest, int(m.group(1)))
+        except OSError:
+            continue
+        if newest >= 0:
+            found.append((name, newest))
+    return found

@@ -93,6 +93,20 @@ def test_an_empty_restore_under_a_derived_job_name_says_how_to_resume(local_dir,
     assert any("drew run id" in m and "--rdzv-endpoint" in m and "pass job=" in m for m in said), said
 
 
+def test_an_empty_restore_under_a_derived_job_name_names_the_jobs_the_folder_holds(local_dir, monkeypatch, caplog):
+    """A relaunch whose derived name changed (another rendezvous port) found nothing and
+    said only that; the earlier launch's steps sat in the same folder under their name."""
+    monkeypatch.delenv("INCLUSTER_JOB", raising=False)
+    with incluster.Checkpointer(local_dir=local_dir, writer="thread", job="train-0532abab") as ck:
+        for step in (5, 10):
+            ck.save(step, {"w": torch.zeros(3)}).wait()
+    with caplog.at_level("WARNING", logger="incluster"):
+        with incluster.Checkpointer(local_dir=local_dir, writer="thread") as ck:
+            assert ck.load({"w": torch.ones(3)}) is None
+    said = [r.getMessage() for r in caplog.records if "pass job=" in r.getMessage()]
+    assert len(said) == 1 and f"{local_dir} holds job 'train-0532abab' (newest step 10)" in said[0], said
+
+
 def test_a_one_node_torchrun_job_gets_the_same_name_at_every_launch(monkeypatch, tmp_path):
     """torchrun draws a new run id (and port) at every one-node launch, --rdzv-id or not:
     the name comes from the script and folder instead, so a relaunch resumes; a run id
