@@ -47,6 +47,27 @@ def test_timeline_draws_every_event(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == PNG
 
 
+def test_a_save_given_up_for_a_newer_one_is_not_drawn_as_a_failure(tmp_path: Path, monkeypatch) -> None:
+    """The report counts such saves apart ("given up for a newer save"); the timeline drew
+    each as a red "save failed" cross."""
+    from incluster.goodput import plot
+
+    write(tmp_path, 0, 1, [(0, "start", {}), (1, "save_failed", {"step": 0, "error": "x", "superseded": True}),
+                           (2, "save", {"step": 1, "blocked_s": 0.1}), (3, "end", {})])
+    figs = []
+    real = plot._pyplot
+
+    def keeping():
+        plt = real()
+        monkeypatch.setattr(plt, "close", figs.append)
+        return plt
+
+    monkeypatch.setattr(plot, "_pyplot", keeping)
+    plot_timeline(tmp_path, tmp_path / "timeline.png")
+    labels = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
+    assert "given up for a newer save" in labels and "save failed" not in labels, labels
+
+
 def test_missing_matplotlib_names_the_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

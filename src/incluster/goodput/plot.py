@@ -129,6 +129,8 @@ def plot_timeline(run_dir: str | Path, out_png: str | Path) -> int:
                                    label=label("load"))
                 elif kind == ev.START and a is not attempts[0]:
                     ax.plot(x, y, "^", color=_COLORS[kind], label=label("restart"))
+                elif kind == ev.SAVE_FAILED and e.get("superseded"):  # a newer save took its place: no failure
+                    ax.plot(x, y - 0.15, "|", color="0.45", label=label("given up for a newer save"))
                 elif kind == ev.SAVE_FAILED:
                     ax.plot(x, y, "x", color=_COLORS[kind], label=label("save failed"))
                 else:
