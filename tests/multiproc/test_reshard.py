@@ -127,6 +127,11 @@ def test_every_node_lost_three_ranks_reshard_from_the_persistent_tier(local_dir,
     assert all("old shards fetched from the persistent tier" in r["notes"] for r in res), res
     assert all("from the persistent tier, resharded" in r["line"] for r in res), res  # not "the cluster's RAM"
     assert all(r["step4"] == "durable" for r in res)
+    # old rank 0's shard was fetched into m0's RAM: its record names m0 (`incluster ls` showed n0, long gone)
+    from incluster.format.sidecar import read_sidecar
+
+    fetched = read_sidecar(os.path.join(local_dir, "m0", "reshard", "rank-00000", "step-000000000003.json"))
+    assert fetched.node == "m0" and fetched.extra.get("restored_from") == "persistent", fetched
 
 
 def test_hsdp_on_a_two_by_two_mesh_restores_into_three_ranks_of_fsdp(local_dir, hsdp4):

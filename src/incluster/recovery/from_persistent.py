@@ -14,6 +14,7 @@ the cluster's RAM (:mod:`incluster.recovery.reshard`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -189,7 +190,10 @@ def fetch_old_shards(ctx: Any, step: int, records: list[dict[str, Any]], world: 
             os.close(fd)
             with _local():
                 os.replace(tmp, final)
-                write_sidecar(os.path.join(folder, sidecar_file(step)), sc)
+                # held on this node now, as a download of a rank's own shard records it (ls shows where)
+                own = {k: v for k, v in sc.extra.items() if k not in ("shared_with", "replica_on")}
+                write_sidecar(os.path.join(folder, sidecar_file(step)),
+                              dataclasses.replace(sc, node=ctx.node, extra={**own, "restored_from": "persistent"}))
         except (_LocalError, OSError, ValueError, KeyError, TypeError, CorruptCheckpointError) as exc:
             return _problem(where if 'where' in locals() else 'a persistent shard', exc)
     return None
