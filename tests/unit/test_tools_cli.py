@@ -346,6 +346,14 @@ def test_a_rank_folder_given_as_dir_is_named_with_its_job_folder(cluster: dict[s
         code, text = inproc(capsys, cmd, rank_dir)
         assert "is one rank's folder: name its job folder" in " ".join(text.split()), text
         assert os.path.join(cluster["nodeA"], "j") in text.replace("\n", ""), text
+        assert code == 1, (cmd, code)  # a wrong path, not an empty folder: a script must see it
+
+
+def test_a_tier_step_folder_given_as_dir_is_named_with_the_tier(tmp_path: Any, capsys: Any) -> None:
+    step_dir = tmp_path / "tier" / "j" / "step-000000000010"
+    step_dir.mkdir(parents=True)
+    code, text = inproc(capsys, "ls", str(step_dir))  # it said "no checkpoints found" and exited 0
+    assert code == 1 and f"name the tier (--persistent {tmp_path / 'tier'})" in text.replace("\n", ""), text
 
 
 def test_an_incomplete_step_newer_than_the_restorable_one_is_a_warning_not_a_fault(cluster: dict[str, str],
@@ -378,6 +386,10 @@ def test_one_nodes_folder_of_a_larger_job_is_checked_not_judged(local_dir: str, 
                 tensors=tensors, tree=tree)
     code, text = inproc(capsys, "verify", local_dir)
     assert code == 0 and "FAULT" not in text and "no folder given holds rank(s) 1" in text, text
+    code, text = inproc(capsys, "ls", local_dir)  # it said "incomplete: no copy of rank 1", in red
+    flat = " ".join(text.split())
+    assert code == 0 and "incomplete" not in flat and "rank 1 not in the folders listed" in flat, text
+    assert "job j: no folder listed holds rank(s) 1" in flat, text
 
 
 def test_persistent_tier_is_listed_verified_and_exported(cluster: dict[str, str], tmp_path: Any,

@@ -3,7 +3,10 @@
 Fast: reads commit records and the shard files' sizes, never shard bytes (``incluster
 verify`` checks those). A step is *complete* when every rank 0..W-1 (W from the sidecars)
 has at least one copy, in any tier, with a readable sidecar and a shard file of the size
-it records. Always exits 0 unless the DIRs cannot be read.
+it records; a step whose missing ranks are in no folder listed (one node's RAM folder of
+a multi-node job) is marked as such, not incomplete. Exits 0, or 1 when ``--job`` names
+a job that is not there or a DIR is one rank's folder (nothing is looked for there), 2
+when the DIRs cannot be read.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from incluster.tools.models import Copy, Inventory, missing_ranks, world_size
 from incluster.tools.ui import consoles, human, line, load
 
 
-def status(ranks: dict[int, list[Copy]]) -> tuple[bool, str]:
-    """(complete, words) for one step, from its sidecars."""
+def status(ranks: dict[int, list[Copy]], unseen: list[int] | None = None) -> tuple[bool | None, str]:
+    """(complete, words) for one step, from its sidecars; complete None when the ranks it
+    lacks are ranks ``unseen`` (no folder listed holds them: it may be complete)."""
     w, why = world_size(ranks)
     if w is None:
         return False, f"unknown: {why}"
     missing = missing_ranks(ranks)
+    if missing and unseen and set(missing) <= set(unseen):
+        return None, f"rank {ranges(missing)} not in the folders listed"
     if missing:
         return False, f"incomplete: no copy of rank {ranges(missing)}"
     damaged = missing_ranks(ranks, lambda c: c.sidecar is not None and c.damage is None) or []
@@ -44,6 +50,7 @@ def table(inv: Inventory, any_shared: bool) -> Table:
     80-column terminal: no vertical rules, figures never cut, words wrap whole (a long job
     name folds), nothing ends in "..."."""
     rows = []
+    partial = inv.partial_views()
     for (job, step), ranks in inv.steps().items():
         w, _ = world_size(ranks)
         present = sum(1 for cs in ranks.values() if any(c.sidecar and not c.damage for c in cs))  # usable
@@ -52,11 +59,12 @@ def table(inv: Inventory, any_shared: bool) -> Table:
         tiers = sorted({c.tier for c in copies}, key=["ram", "replica", "persistent"].index)
         one = sum(next((c.nbytes for c in cs if c.sidecar), 0) for cs in ranks.values())
         shared = sum(1 for c in copies if c.shared)
-        complete, words = status(ranks)
+        complete, words = status(ranks, partial.get(job))
         rows.append({"job": job, "step": str(step), "ranks": f"{present}/{w if w is not None else '?'}",
                      "copies": str(len(copies)), "shared": str(shared), "nodes": ", ".join(nodes) or "-",
                      "tiers": ", ".join(tiers), "size": human(one), "stored": human(sum(c.stored for c in copies)),
-                     "status": f"[green]{words}[/]" if complete else f"[red]{words}[/]"})
+                     "status": f"[yellow]{words}[/]" if complete is None else f"[green]{words}[/]" if complete
+                     else f"[red]{words}[/]"})
     t = Table(title="incluster checkpoints", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
               padding=(0, 1, 0, 0))
     num = {"justify": "right", "no_wrap": True}
@@ -81,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"no checkpoints found under {', '.join(args.dirs + args.persistent)}{inv.elsewhere(args.job)}"
                   f"{inv.rank_folders(args.dirs)}",
                   markup=False)
+        missing = missing or bool(inv.rank_folders(args.dirs))  # a wrong path, not an empty one
     else:
         shared = any(c.shared for c in inv.copies)
         out.print(table(inv, shared))
@@ -96,4 +105,7 @@ def run(args: argparse.Namespace) -> int:
         line(out, "[red]problem:[/]", text)
     for n in inv.notes:
         line(out, "[dim]info:[/]", f"{n.path}: {n.what}")
+    for job, unseen in sorted(inv.partial_views().items()):
+        line(out, "[dim]info:[/]", f"job {job}: no folder listed holds rank(s) {ranges(unseen)}; list every node's "
+                                   f"folder (or --persistent) to see which steps are complete")
     return 1 if missing else 0

@@ -81,8 +81,11 @@ class Inventory:
         """For the message when nothing was found: a DIR that is one rank's folder of a job
         (``<job>/rank-RRRRR``) is not where copies are looked for; name its job folder."""
         hits = [d for d in dirs if re.fullmatch(r"rank-\d{5,}", os.path.basename(os.path.normpath(d)))]
+        steps = [d for d in dirs if re.fullmatch(r"step-\d{12,}", os.path.basename(os.path.normpath(d)))]
         return "".join(f"; {d} is one rank's folder: name its job folder "
-                       f"({os.path.dirname(os.path.normpath(d))}) or the node's RAM folder" for d in hits)
+                       f"({os.path.dirname(os.path.normpath(d))}) or the node's RAM folder" for d in hits) + "".join(
+            f"; {d} is one step's folder of a persistent tier: name the tier "
+            f"(--persistent {os.path.dirname(os.path.dirname(os.path.normpath(d)))})" for d in steps)
 
     def elsewhere(self, job: str | None) -> str:
         """Where --job left everything out: the jobs that are there, for the message."""
@@ -105,6 +108,19 @@ class Inventory:
                     self.notes.append(Note(c.where, f"a copy of step {c.step} from a timeline a later restore went "
                                                     f"back from: a restore does not use it"))
         self.copies = [c for c in self.copies if id(c) not in unused]
+
+    def partial_views(self, steps: dict[tuple[str, int], dict[int, list[Copy]]] | None = None) -> dict[str, list[int]]:
+        """Jobs whose newest step's ranks (of ``steps``, default all) are not all in the
+        folders scanned (one node's RAM folder of a multi-node job): which ranks no folder
+        holds at all. Such a listing cannot tell whether a step is complete."""
+        out: dict[str, list[int]] = {}
+        for (job, _), ranks in (self.steps() if steps is None else steps).items():  # newest first: the first seen per job decides
+            if job in out:
+                continue
+            w, _ = world_size(ranks)
+            if w is not None:
+                out[job] = [r for r in range(w) if (job, r) not in self.folders]
+        return {job: m for job, m in out.items() if m}
 
     def steps(self) -> dict[tuple[str, int], dict[int, list[Copy]]]:
         """``(job, step) -> rank -> copies``, each rank's copies in tier order."""

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     infos: list[str] = []
     warnings: list[str] = []
     restorable: dict[str, int] = {}  # job -> newest step with a good copy of every rank
-    partial = _partial_views(steps, inv.folders)  # job -> ranks no scanned folder holds at all
+    partial = inv.partial_views(steps)  # job -> ranks no scanned folder holds at all
     newer: dict[str, list[int]] = {}  # job -> incomplete steps newer than its restorable one
     for (job, step), ranks in steps.items():
         good = [c for cs in ranks.values() for c in cs if results[id(c)] is None]
@@ -125,18 +125,3 @@ def run(args: argparse.Namespace) -> int:
 
 
 WARNED = 3  # restorable, but not the newest step some rank holds
-
-
-def _partial_views(steps: dict[tuple[str, int], dict[int, list[Copy]]], folders: set[tuple[str, int]]) -> dict[str, list[int]]:
-    """Jobs whose newest step's ranks are not all in the folders scanned (one node's RAM
-    folder of a multi-node job): which ranks no folder holds at all."""
-    out: dict[str, list[int]] = {}
-    for (job, _), ranks in steps.items():  # newest first: the first seen per job decides
-        if job in out:
-            continue
-        w, _ = world_size(ranks)
-        if w is None:
-            continue
-        missing = [r for r in range(w) if (job, r) not in folders]
-        out[job] = missing
-    return {job: m for job, m in out.items() if m}
