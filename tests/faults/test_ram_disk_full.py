@@ -108,3 +108,14 @@ def test_a_ram_disk_with_room_for_one_slot_says_saves_need_two(local_dir, tmp_pa
         assert "at least 2 slots of 1.0 MiB" in msg and "lower keep" not in msg, msg
     assert "saves will fail until" in proc.stderr, proc.stderr
     assert out["loaded"] == 1, out
+
+
+@pytest.mark.multiproc
+def test_room_a_few_kib_short_of_two_slots_is_never_said_as_0_mib(local_dir, tmp_path):
+    """Two 1 MiB slots on a RAM disk with 2 MiB free beside the reserve: short by their
+    headers' bytes. The warning said "only 2.0 MiB are free ... until 0.0 MiB more are free"."""
+    proc, out = _small_ram_disk(local_dir, tmp_path, "3072k")
+    assert out["saves"]["1"] == "durable", out["saves"]
+    said = " ".join(proc.stderr.split())
+    assert "saves will fail until 0.1 MiB more are free" in said and "0.0 MiB" not in said, proc.stderr
+    assert "only 1.9 MiB are free" in said, proc.stderr

@@ -16,6 +16,7 @@ IMPORTANT: no collectives and no blocking on other ranks here; this thread only 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -404,12 +405,12 @@ class Stager:
                 "incluster: this rank's checkpoint slots need %.1f MiB more of %s, and only %.1f MiB are free there: "
                 "saves need room for at least 2 slots of %.1f MiB (the newest step stays while the next is "
                 "written), so saves will fail until %.1f MiB more are free; free space there or point local_dir "
-                "elsewhere", need / 2**20, where, free / 2**20, size / 2**20, (2 * size - made - free) / 2**20)
+                "elsewhere", _mib_up(need), where, _mib_down(free), size / 2**20, _mib_up(2 * size - made - free))
         else:
             log.warning(
                 "incluster: this rank's checkpoint slots need about %.1f MiB more of %s, but only %.1f MiB are free "
                 "there: fewer steps than keep=%d will be kept (every save still lands); free space, or point "
-                "local_dir elsewhere", need / 2**20, where, free / 2**20, self.ring.keep)
+                "local_dir elsewhere", _mib_up(need), where, _mib_down(free), self.ring.keep)
 
     def _views(self, slot: Slot, layout: Layout) -> list[torch.Tensor]:
         if self._said_size != layout.total_size:  # said again when the state grows (prepare() too early)
@@ -429,3 +430,13 @@ class Stager:
             slot.views = make_views(buf, layout)
             slot.header_fp = layout.fingerprint
         return slot.views
+
+
+def _mib_up(nbytes: int) -> float:
+    """MiB rounded up to the 0.1 shown: a shortfall of a few KiB reads 0.1, never 0.0."""
+    return math.ceil(max(nbytes, 1) / 2**20 * 10) / 10
+
+
+def _mib_down(nbytes: int) -> float:
+    """MiB rounded down to the 0.1 shown: room just short of what is needed never reads as enough."""
+    return math.floor(max(nbytes, 0) / 2**20 * 10) / 10
