@@ -198,8 +198,10 @@ def test_a_bucket_that_does_not_exist_is_named_never_created_nor_taken_for_an_em
     shutil.rmtree(os.path.join(local_dir, "p"))
     with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=url,
                                 persistent_options=opts) as ck:
-        with pytest.raises(incluster.TierUnavailableError, match="does not exist"):
+        with pytest.raises(incluster.TierUnavailableError, match="does not exist") as got:
             ck.load(_state(1.0))
+    said = str(got.value)  # two sentences, not one spliced onto the other's closing parenthesis
+    assert "credentials). No complete step is in the cluster's RAM either: nothing is loaded" in said, said
 
 
 def test_failed_upload_is_reported_and_training_goes_on(local_dir, tmp_path, monkeypatch):

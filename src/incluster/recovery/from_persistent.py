@@ -48,9 +48,9 @@ def tier_manifests(ctx: Any, in_cluster: int | None, exclude: set[tuple[str, int
     except TierUnavailableError as exc:
         if in_cluster is None:
             raise TierUnavailableError(
-                f"{exc}, and no complete step is in the cluster's RAM: nothing is loaded, rather than "
-                f"starting afresh while the tier may hold this job's checkpoints. Fix the tier (its URL, "
-                f"endpoint or credentials: persistent_options), or leave persistent= out to start without it"
+                f"{str(exc).rstrip('.')}. No complete step is in the cluster's RAM either: nothing is loaded, "
+                f"rather than starting afresh while the tier may hold this job's checkpoints. Fix the tier (its "
+                f"URL, endpoint or credentials: persistent_options), or leave persistent= out to start without it"
             ) from None
         log.warning("incluster: %s; step %d is restored from the cluster's RAM without knowing whether the "
                     "persistent tier holds a newer one", exc, in_cluster)
