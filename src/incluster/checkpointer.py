@@ -70,7 +70,6 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
         self.rank, self.world_size = launch.rank_world()
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         if self.rank == 0:
-            ramdisk.hint_once(self.config.local_dir)
             self._job_derived = launch.job_derived(options, self.config.job, self.world_size)
         if self.world_size == 1 and isinstance(options.get("replicas"), int) and options["replicas"] > 0:
             log.warning("incluster: replicas=%d asked for, but this job is one process: there is no other node to "
@@ -85,6 +84,8 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
                 f"{exc.filename or os.path.dirname(self.folder)}); point local_dir (or INCLUSTER_LOCAL_DIR) at a "
                 f"folder this process can write, in the node's RAM disk (e.g. /dev/shm/incluster)"
             ) from exc
+        if self.rank == 0:  # once the folder is known to be there: a path it cannot be made in gets only that error
+            ramdisk.hint_once(self.config.local_dir)
         launch.refuse_links(os.path.dirname(self.folder), self.folder)
         self._claim = Claim(os.path.dirname(self.folder), self.config.job, self.rank, owner=self)  # one live run per job and rank
         try:

@@ -445,12 +445,14 @@ def test_a_tilde_in_a_path_is_the_home_folder_not_a_folder_named_tilde(local_dir
         assert ck.config.local_dir == local_dir and ck.load({"w": torch.zeros(2)}) == 1
 
 
-def test_a_local_dir_that_cannot_hold_folders_names_the_option_and_the_fix(local_dir, tmp_path):
+def test_a_local_dir_that_cannot_hold_folders_names_the_option_and_the_fix(local_dir, tmp_path, caplog):
     (tmp_path / "a-file").write_text("")
-    for bad in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
+    caplog.set_level(logging.WARNING, logger="incluster")
+    for bad in (tmp_path / "a-file", tmp_path / "a-file" / "below", "/proc/incluster-nope"):
         with pytest.raises(incluster.CheckpointError, match=r"cannot create this job's folder in local_dir .*"
                                                             r"point local_dir \(or INCLUSTER_LOCAL_DIR\)"):
             incluster.Checkpointer(local_dir=bad, job="j", writer="thread")
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # no "not in RAM" advice first
 
 
 def test_a_replica_asked_for_in_a_one_process_job_is_said_to_be_impossible(local_dir, caplog):
