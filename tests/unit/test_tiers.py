@@ -101,3 +101,28 @@ def test_a_large_write_from_a_mapped_slot_is_whole_with_its_unaligned_tail(tmp_p
     view.release()
     if mm is not None:
         mm.close()
+
+
+@pytest.mark.parametrize("kind", ["path", "s3"])
+def test_what_another_process_wrote_is_read_and_listed_at_once(kind, tmp_path, request):
+    """Each writer process has its own client. s3fs answered a read or listing from its
+    cached listing of the folder: a file another client rewrote read as gone ("Etag no
+    longer exists") or empty, a new one was not listed (the job's owner record, a
+    manifest the last rank wrote)."""
+    if kind == "path":
+        url, opts = str(tmp_path / "tier"), {}
+    else:
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = f"b{next(_ids)}-{uuid.uuid4().hex[:8]}"
+        s3server.make_bucket(endpoint, bucket)
+        url, opts = f"s3://{bucket}/run", s3server.options(endpoint)
+    mine = FsspecTier(url, opts)
+    other = FsspecTier(url, {**opts, "skip_instance_cache": True})  # another process's client
+    assert mine.fs is not other.fs
+    mine.write("j/RUN.json", memoryview(b'{"run": "a"}'))
+    assert mine.list("j") == ["RUN.json"] and mine.read("j/RUN.json") == b'{"run": "a"}'  # listing cached
+    other.write("j/RUN.json", memoryview(b'{"run": "bb"}'))
+    other.write("j/step-000000000001/COMMITTED.json", memoryview(b"{}"))
+    assert mine.read("j/RUN.json") == b'{"run": "bb"}'
+    assert mine.list("j") == ["RUN.json", "step-000000000001"]
+    assert mine.list_sizes("j")["RUN.json"] == 13

@@ -239,6 +239,7 @@ class FsspecTier:
                 mode = stat.S_IFREG  # missing: fsspec says so in its words below
             if not stat.S_ISREG(mode):
                 raise CorruptCheckpointError(f"{full}: not a regular file (a named pipe or a folder)")
+        self._fresh(full)
         with _BackendErrors(self, f"reading {path}"), self.fs.open(full, "rb") as f:
             if into is None:
                 data: bytes = f.read()
@@ -256,6 +257,7 @@ class FsspecTier:
             return n
 
     def size(self, path: str) -> int:
+        self._fresh(self._p(path))
         with _BackendErrors(self, f"the size of {path}"):
             return int(self.fs.info(self._p(path))["size"])
 
@@ -269,6 +271,7 @@ class FsspecTier:
 
     def list(self, prefix: str = "") -> list[str]:
         full = self._p(prefix) if prefix else self.root
+        self._fresh(full)
         try:
             with _BackendErrors(self, f"listing {prefix or '/'}"):
                 entries = self.fs.ls(full, detail=False)
@@ -279,6 +282,7 @@ class FsspecTier:
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
         """The files directly under ``prefix`` and their sizes (one listing)."""
+        self._fresh(self._p(prefix))
         try:
             with _BackendErrors(self, f"listing {prefix}"):
                 entries = self.fs.ls(self._p(prefix), detail=True)
@@ -286,6 +290,18 @@ class FsspecTier:
             self._check_bucket()
             return {}
         return {posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0) for e in entries}
+
+    def _fresh(self, full: str) -> None:
+        """Forget what the client cached of ``full`` (and the folders above it): other
+        processes write the tier (every rank's writer, a later run), and an object store's
+        client (s3fs) answers listings, sizes and reads from its cached listing of the
+        folder - a file another process rewrote read as gone or empty, a new one was not
+        listed. Each call then asks the store."""
+        if not self.posix:
+            try:
+                self.fs.invalidate_cache(full)
+            except Exception:  # noqa: BLE001 - a backend without a cache to forget
+                pass
 
     def close(self) -> None:
         pass
