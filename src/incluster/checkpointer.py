@@ -122,6 +122,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
         # This run's timelines (recovery/lineage.py): rank 0's clock, shared with the address
         self._began = address.started if address is not None and address.started else time.time_ns()
         self._lineage = (self._began, 0, -1)
+        self._run = address.run if address is not None else process_run()  # rank 0's process: every rank's
         self._loads = 0  # load() calls so far: the n-th of every rank meet (recovery/meet.py)
         self._loaded = False  # a load() returned: saves go on from the timeline it chose
         self._restored = -1  # the step the last load() restored (saves must be newer)
@@ -139,8 +140,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
             node=self.config.node,
             keep=self.config.keep,
             share_replicas=self.config.share_replicas,
-            persist=wiring.persist_params(self.config, self.rank, self.world_size,
-                                          address.run if address is not None else process_run()),
+            persist=wiring.persist_params(self.config, self.rank, self.world_size, self._run),
             node_folders=node_folders,
             log_level=log.getEffectiveLevel(),
         )

@@ -58,6 +58,7 @@ class LoadPipeline:
     _refuse_resize: str | None
     _began: int
     _lineage: tuple[int, int, int]
+    _run: str  # the run id (rank 0's process's)
     _last_step: int
     _saves: int
     # the Checkpointer's own (and SavePipeline's) methods this half calls
@@ -160,7 +161,7 @@ class LoadPipeline:
         if report.source == "reshard":
             self._old_world = report.old_world
         if report.step is not None and only is not None and self.rank == 0:
-            abandon_in_tier(ctx.persistent, self.config.job, report.step)
+            abandon_in_tier(ctx.persistent, self.config.job, report.step, self._run, self._began)
         if report.step is not None:
             self.ring.reset_to(report.step)
             self._highest = self._restored = report.step
@@ -229,26 +230,28 @@ class LoadPipeline:
 
 
 def _other_jobs(local_dir: str, job: str) -> list[tuple[str, int]]:
-    """Other jobs with steps in this node's ``local_dir`` (their newest step): a relaunch
-    whose derived name changed (another rendezvous port, say) finds them named. At most 3."""
-    found: list[tuple[str, int]] = []
+    """Other jobs with steps in this node's ``local_dir`` (their newest step), the most
+    recently saved first: a relaunch whose derived name changed (another rendezvous port,
+    say) finds them named. At most 3."""
+    found: list[tuple[float, str, int]] = []
     try:
-        names = sorted(os.listdir(local_dir))
+        with os.scandir(local_dir) as entries:
+            jobs = [e for e in entries if e.name != job and e.is_dir(follow_symlinks=False)]
     except OSError:
         return []
-    for name in names:
-        if name == job or len(found) == 3:
-            continue
-        newest = -1
+    for entry in jobs:
+        newest, when = -1, 0.0
         try:
-            for rank in os.scandir(os.path.join(local_dir, name)):
-                if rank.name.startswith("rank-") and rank.is_dir(follow_symlinks=False):
-                    for f in os.scandir(rank.path):
+            with os.scandir(entry.path) as ranks:
+                folders = [r.path for r in ranks if r.name.startswith("rank-") and r.is_dir(follow_symlinks=False)]
+            for folder in folders:
+                with os.scandir(folder) as files:
+                    for f in files:
                         m = _SIDECAR.match(f.name)
-                        if m:
-                            newest = max(newest, int(m.group(1)))
+                        if m and int(m.group(1)) > newest:
+                            newest, when = int(m.group(1)), f.stat(follow_symlinks=False).st_mtime
         except OSError:
             continue
         if newest >= 0:
-            found.append((name, newest))
-    return found
+            found.append((when, entry.name, newest))
+    return [(name, step) for _, name, step in sorted(found, reverse=True)[:3]]

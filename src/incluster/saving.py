@@ -105,6 +105,7 @@ class SavePipeline:
     _writer_params: WriterParams
     _writer_lock: threading.Lock
     _writer_restarts: int
+    _uploaded = False  # a step of this run reached the persistent tier (a new writer keeps the job's record)
     _shrunk_to: int | None  # the fewest slots the ring was cut to for want of room (the user was told)
     _closed: bool
     _stage_pool: Any
@@ -274,6 +275,7 @@ class SavePipeline:
         the step's commit was handled here (a skip is told right after the commit): it is
         then kept for ``_local_done``."""
         key = (timeline, step)
+        self._uploaded = self._uploaded or err is None
         with self._lock:
             slot, handle = self._uploads.pop(key, (None, None))
             if slot is not None:
@@ -418,6 +420,8 @@ class SavePipeline:
             )
             old = self._writer
             params = dataclasses.replace(self._writer_params, gen=next_generation(), incarnation=self._writer_restarts)
+            if params.persist is not None and self._uploaded:  # the run's record is its own: the fence holds
+                params = dataclasses.replace(params, persist=dataclasses.replace(params.persist, owned=True))
             try:
                 self._writer = writer_spawner().submit(
                     ProcessWriter, params, on_persisted=self._persisted, on_death=self._writer_died

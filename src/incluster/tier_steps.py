@@ -21,14 +21,16 @@ log = logging.getLogger("incluster")
 
 
 class TierSteps:
-    def __init__(self, tier: Any, job: str, run: str) -> None:
+    def __init__(self, tier: Any, job: str, run: str, owned: bool = False) -> None:
         self.tier = tier
         self.job = job
         self.run = run  # this Checkpointer's run id: the manifests it wrote carry it
         self._newer_told = False  # the steps of a timeline not continued were named
         self._older_checked = False  # the older steps in the tier were found this run's own
-        self._owned = False  # this run wrote the job's owner record: another run's there later took over
+        # this run wrote the job's owner record (before a writer restart too): another run's there now took over
+        self._owned = owned
         self.began = 0  # rank 0's clock (ns) when this run's Checkpointer started (the sidecars' lineage)
+        self._recorded = False  # the owner record read last named this run
 
     def open(self, step: int, *, loaded: bool, again: bool, began: int = 0) -> None:
         """Rank 0, before any rank writes ``step``: steps only increase within a run, so a
@@ -41,7 +43,7 @@ class TierSteps:
         the steps it keeps. ``began``: rank 0's clock (ns) when the run started, which orders
         runs that claim the job (:meth:`_fence`)."""
         self.began = max(self.began, began)
-        self._fence(f"step {step}")
+        self._fence(f"step {step} is not uploaded")
         names = self.tier.list(self.job)
         steps = {int(m.group(1)) for m in map(STEP_FOLDER.match, names) if m}
         newer = sorted(s for s in steps if s > step)
@@ -62,7 +64,7 @@ class TierSteps:
                     f"did not call load(): its uploads would fork that job's timeline, and retention would delete "
                     f"them. Call load() first to go on from them, or name a new job")
             self._older_checked = True
-        if not self._owned:
+        if not self._recorded:  # a first upload, or the record is gone
             self._claim(sorted(steps, reverse=True)[:3])
         if newer and not self._newer_told:
             # a rollback set them aside on purpose (load(step=N)): nothing to tell
@@ -81,33 +83,22 @@ class TierSteps:
             self.tier.delete(f"{step_dir(self.job, step)}/{SET_ASIDE}")
 
     def _owner(self) -> dict[str, Any] | None:
-        """The job's owner record (``<job>/RUN.json``: the run that uploads its steps), or
-        None when there is none or it cannot be read (a run that wrote one reads it whole)."""
-        try:
-            owner = json.loads(bytes(self.tier.read(f"{self.job}/{OWNER}")))  # type: ignore[arg-type]
-        except FileNotFoundError:
-            return None
-        except (ValueError, CheckpointError):  # unreadable, or not a file: taken as no record
-            return None
-        return owner if isinstance(owner, dict) else None
+        return owner_record(self.tier, self.job)
 
     def _fence(self, what: str) -> None:
-        """Refuse ``what`` once another run took the job's tier over: one that owns it after
-        this one did, or that started later (a writer started again has not claimed yet).
-        This run is then a leftover of an earlier launch (a node thought dead, an allocation
-        not ended) still training beside the run that replaced it, and its uploads and
-        retention would overwrite or delete that run's steps."""
+        """Refuse (``what`` it costs) once another run took the job's tier over: one that
+        owns it after this one did, or that started later (a writer started again before
+        its run's first upload has not claimed yet). This run is then a leftover of an
+        earlier launch (a node thought dead, an allocation not ended) still training beside
+        the run that replaced it, and its uploads and retention would overwrite or delete
+        that run's steps."""
         owner = self._owner()
-        if owner is None or owner.get("run") == self.run:
+        self._recorded = owner is not None and owner.get("run") == self.run
+        if owner is None or self._recorded:
             return
         if not self._owned and _int(owner.get("began")) <= self.began:
             return  # an earlier run's record: this run takes the job over (:meth:`_claim`)
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_num(owner.get("time"))))
-        raise CheckpointError(
-            f"another run of job {self.job!r} took over its persistent tier at {since} (host "
-            f"{owner.get('host', '?')}, pid {owner.get('pid', '?')}, run {owner.get('run')}): this run is no "
-            f"longer the job's, so {what} is not uploaded and its retention deletes nothing. If that run is "
-            f"the one meant to train, stop this one; to run both, give one another job name")
+        raise CheckpointError(taken_over(self.tier, self.job, owner, what))
 
     def _claim(self, newest: list[int]) -> None:
         """Record this run as the job's owner: a run it replaced stops uploading at its next
@@ -117,7 +108,7 @@ class TierSteps:
         body = {"run": self.run, "began": self.began, "time": time.time(), "host": socket.gethostname(),
                 "pid": os.getpid()}
         self.tier.write(f"{self.job}/{OWNER}", memoryview(json.dumps(body).encode()))
-        self._owned = True
+        self._owned = self._recorded = True
         if before is None or before.get("run") == self.run:
             return
         late = next((s for s in newest if self._manifested_after(s, before.get("run"))), None)
@@ -158,7 +149,7 @@ class TierSteps:
     def retention(self, newest: int, keep: int) -> None:
         """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older.
         Nothing, once another run took the job over (:meth:`_fence`)."""
-        self._fence(f"retention after step {newest}")
+        self._fence(f"retention after step {newest} deletes nothing")
         kept = [s for s in manifested_steps(self.tier, self.job) if s <= newest][: keep]
         if not kept:
             return
@@ -166,6 +157,37 @@ class TierSteps:
             m = STEP_FOLDER.match(name)
             if m and int(m.group(1)) < min(kept):
                 self.tier.delete(f"{self.job}/{name}")
+
+
+def owner_record(tier: Any, job: str) -> dict[str, Any] | None:
+    """The job's owner record (``<job>/RUN.json``: the run that uploads its steps), or None
+    when there is none or it cannot be read (a run that wrote one reads it whole)."""
+    try:
+        owner = json.loads(bytes(tier.read(f"{job}/{OWNER}")))  # type: ignore[arg-type]
+    except FileNotFoundError:
+        return None
+    except (ValueError, CheckpointError):  # unreadable, or not a file: taken as no record
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def replaced_by(tier: Any, job: str, run: str, began: int) -> dict[str, Any] | None:
+    """The record of a run that started after this one (``began``: rank 0's clock, ns) and
+    owns the job's tier: this run must not touch the job's steps there. None otherwise."""
+    owner = owner_record(tier, job)
+    if owner is None or owner.get("run") == run or _int(owner.get("began")) <= began:
+        return None
+    return owner
+
+
+def taken_over(tier: Any, job: str, owner: dict[str, Any], what: str) -> str:
+    """The refusal of a run another run took the job over from (``owner``: its record)."""
+    when = _num(owner.get("time"))
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when)) if when else "an unknown time"
+    run = str(owner.get("run", "?"))[:12]
+    return (f"another run of job {job!r} took over its persistent tier (host {owner.get('host', '?')}, pid "
+            f"{owner.get('pid', '?')}, run {run}, since {since}): {what}. Stop this run if that one is meant to "
+            f"train; if that run has ended, delete {getattr(tier, 'url', tier)}/{job}/{OWNER}")
 
 
 def _int(value: Any) -> int:

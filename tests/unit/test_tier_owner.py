@@ -49,7 +49,8 @@ def test_a_run_another_launch_took_over_uploads_no_more_and_deletes_none_of_its_
                 h = old.save(step, _state(-float(step)))
                 h.wait()  # its own RAM copies still commit
                 with pytest.raises(incluster.CheckpointError, match=r"another run of job 'p' took over its "
-                                   r"persistent tier .*run the-later-launch.*stop this one"):
+                                   r"persistent tier \(host .*run the-later-la, since .* UTC\): step \d is not "
+                                   r"uploaded. Stop this run .*delete .*/p/RUN.json"):
                     h.persisted.result(60)
             assert _manifests(root) == [2, 3]  # its steps 4 and 5 would have pushed 3 out
             assert new.save(6, _state(6.0)).persisted.result(60)
@@ -89,7 +90,29 @@ def test_a_leftover_runs_restarted_writer_does_not_take_the_job_back(tmp_path):
     new.open(2, loaded=True, again=False, began=200)
     with pytest.raises(incluster.CheckpointError, match="run new"):
         TierSteps(tier, "p", "old").open(3, loaded=True, again=False, began=100)
-    with pytest.raises(incluster.CheckpointError, match="retention after step 3"):
+    with pytest.raises(incluster.CheckpointError, match="retention after step 3 deletes nothing"):
         old.retention(3, 1)
+    # a writer started again in a run that had uploaded: it owned the record, whatever the clocks say
+    with pytest.raises(incluster.CheckpointError, match="run new"):
+        TierSteps(tier, "p", "old", owned=True).open(3, loaded=True, again=False, began=10**20)
     new.open(3, loaded=True, again=False, began=200)  # the owner goes on
     assert json.loads(bytes(tier.read("p/RUN.json")))["run"] == "new"
+
+
+def test_a_leftover_runs_rollback_does_not_set_the_later_runs_steps_aside(tmp_path, caplog):
+    """load(step=N) sets the tier's newer steps aside; in a run a later one took the job
+    over from, they are that run's steps."""
+    from incluster.recovery.from_persistent import abandon_in_tier
+    from incluster.tier_layout import list_steps
+    from incluster.tier_steps import TierSteps
+    from incluster.tiers.persistent import open_tier
+
+    tier = open_tier(str(tmp_path / "persist"))
+    TierSteps(tier, "p", "new").open(5, loaded=True, again=False, began=200)
+    for step in (4, 5):
+        tier.write(f"p/step-{step:012d}/COMMITTED.json", memoryview(b"{}"))
+    abandon_in_tier(tier, "p", 3, "old", 100)
+    assert list_steps(tier, "p") == {5: True, 4: True}
+    assert "its steps newer than step 3 are kept" in caplog.text
+    abandon_in_tier(tier, "p", 4, "new", 200)  # the owner's own rollback goes ahead
+    assert list_steps(tier, "p") == {5: False, 4: True}

@@ -261,14 +261,25 @@ def set_aside(ctx: Any, step: int, problem: Problem) -> None:
     mark(ctx.persistent, ctx.job, step, problem.text)
 
 
-def abandon_in_tier(tier: Any, job: str, step: int) -> None:
+def abandon_in_tier(tier: Any, job: str, step: int, run: str, began: int) -> None:
     """After ``load(step=N)`` (rank 0): the tier's steps newer than N are of the timeline
     the rollback left. Set aside, so that no restore before this run's next upload takes
     one (a restart, or the cluster's RAM lost); an upload of this run's own step of that
-    number clears the mark. Best effort: a tier that cannot be listed is said once."""
+    number clears the mark. Not when a later run owns the job's tier (``run``, ``began``:
+    this run's): they are its steps. Best effort: a tier that cannot be listed is said once."""
     if tier is None:
         return
     from incluster.tier_layout import ROLLED_BACK, list_steps, set_aside as mark
+    from incluster.tier_steps import replaced_by, taken_over
+
+    try:
+        owner = replaced_by(tier, job, run, began)
+    except OSError as exc:
+        owner = None
+        log.info("incluster: the persistent tier's owner record could not be read (%s)", exc)
+    if owner is not None:
+        log.warning("incluster: %s", taken_over(tier, job, owner, f"its steps newer than step {step} are kept"))
+        return
 
     try:
         steps = list_steps(tier, job, LIST_TIMEOUT_S)

@@ -5,8 +5,8 @@ verify`` checks those). A step is *complete* when every rank 0..W-1 (W from the 
 has at least one copy, in any tier, with a readable sidecar and a shard file of the size
 it records; a step whose missing ranks are in no folder listed (one node's RAM folder of
 a multi-node job) is marked as such, not incomplete. Exits 0, or 1 when ``--job`` names
-a job that is not there or a DIR is one rank's folder (nothing is looked for there), 2
-when the DIRs cannot be read.
+a job that is not there, or when nothing is found and a DIR is one rank's or one tier
+step's folder (copies are not looked for there), 2 when the DIRs cannot be read.
 """
 
 from __future__ import annotations
