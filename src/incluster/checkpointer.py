@@ -29,7 +29,7 @@ from incluster.claim import Claim, refuse_shared_folder
 from incluster.commit import process_run
 from incluster.errors import CheckpointError, PeerTimeoutError, TierUnavailableError
 from incluster.goodput import events as ev
-from incluster.catch_up import catch_up
+from incluster.closing import Teardown
 from incluster.handle import SaveHandle
 from incluster.early_saves import EarlySaves
 from incluster.handover import HandOver
@@ -52,7 +52,7 @@ from incluster.writer.thread import ThreadWriter
 log = logging.getLogger("incluster")
 
 
-class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
+class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports, Teardown):
     """Asynchronous, rank-local checkpoints in the node's RAM disk.
 
     >>> ckpt = Checkpointer(local_dir="/dev/shm/incluster", job="run-7")
@@ -165,6 +165,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
         # save() and close() one at a time: a close() on another thread never shuts the
         # staging pool under a save() that already passed its "closed?" check
         self._api = threading.RLock()
+        self._api_thread: int | None = None  # the thread inside save() or close() (_api_call)
         self._closed = False
         self._checked_out = False  # out of the job store already (an exit with nothing in flight)
         self._writer: Writer = (
@@ -253,7 +254,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
         running, never skipped for it: the run's last step, say), False never; None
         follows ``persistent_every``/``persistent_interval_s``. Every rank passes the same."""
         t0 = time.perf_counter()
-        with self._api:
+        with self._api_call("save()"):
             return self._save(step, state, t0, persist)
 
     def _save(self, step: int, state: Mapping[str, Any], t0: float, persist: bool | None = None) -> SaveHandle:
@@ -461,78 +462,8 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports):
         if job is not None:
             job.staged.result(t)
 
-    # -- teardown ---------------------------------------------------------------------
-    def close(self) -> None:
-        """Drain every save in flight, stop the background threads, unmap the slots."""
-        with self._api:
-            self._close()
-
-    def _close(self) -> None:
-        if self._closed:
-            return
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + self.config.slot_timeout_s  # close()'s wait for uploads, all of it
-        try:
-            self.wait()
-            deadline = time.monotonic() + self.config.slot_timeout_s  # from the last save's end
-            try:
-                catch_up(self, deadline)  # the tier lacks the newest durable step: it goes now
-            except Exception as exc:  # noqa: BLE001 - never close()'s failure
-                log.warning("incluster: rank %d: close() could not upload the newest step to the persistent tier: "
-                            "%s: %s", self.rank, type(exc).__name__, exc)
-        finally:
-            self._closed = True
-            self._guard.close()
-            self._hand_over_queued(deadline)
-            stuck = not self._staging_idle(self.config.slot_timeout_s)
-            self._stage_pool.shutdown(wait=not stuck)
-            with self._lock:
-                uploading = sorted(step for _, step in self._uploads)
-            if uploading:
-                log.info("incluster: rank %d: close() waits for the persistent upload of step(s) %s (up to %.0f s, "
-                         "slot_timeout_s)", self.rank, uploading, self.config.slot_timeout_s)
-            with self._writer_lock:  # not while a dead writer's successor is starting
-                self._writer.close(max(1.0, deadline - time.monotonic()))
-            with self._lock:
-                left = list(self._uploads)
-            for timeline, step in left:  # never left pending: the writer is gone
-                self._persisted(step, f"the upload had not finished when close() ended it (after up to "
-                                      f"{self.config.slot_timeout_s:.0f} s, slot_timeout_s)", timeline)
-            if not stuck:  # a staging thread still copying keeps its mappings: unmapping would crash it
-                self.ring.close()
-                self._stager.release_device()  # the device-side snapshot's GPU memory goes back
-            if not self._checked_out:  # once per rank: twice would let rank 0 end the store under the others
-                wiring.release_store(self._store_server, self._store_address, self.config, self.rank,
-                                     self.world_size, (self._loads, self._last_step))
-            self._store_server = None
-            self.events.record(ev.END, seconds=time.perf_counter() - t0)  # saves and uploads drained: not training
-            self.events.close()
-            self._claim.release()
-
-    def _staging_idle(self, timeout: float) -> bool:
-        """Wait (bounded) until the staging thread has finished what it was given."""
-        try:
-            self._stage_pool.submit(lambda: None).result(timeout)
-            return True
-        except RuntimeError:  # the interpreter is exiting: its pools' threads were joined already
-            return True
-        except TimeoutError:
-            log.warning("incluster: rank %d: the staging thread is still busy after %.0f s; closing without "
-                        "it (its slot files stay mapped until the process ends)", self.rank, timeout)
-            return False
-
     def __enter__(self) -> "Checkpointer":
         return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # the body's own exception goes on: a failed save is logged, never put in its place
-            self.close()
-        except Exception as err:  # noqa: BLE001 - said, and the body's exception is what the caller sees
-            log.error("incluster: rank %d: close() on leaving the with-block (which raised %s) also failed: "
-                      "%s: %s", self.rank, exc_type.__name__, type(err).__name__, err)
 
     def _on_map(self, slot: Slot) -> None:
         """A slot was (re)mapped, on the staging thread: page-lock it if saves are on a GPU."""

@@ -1,0 +1,76 @@
+"""A stop signal's handler that saves while the loop is inside save(): the handler's call
+cannot finish before the handler returns (it would run over the half-done save's locks:
+a deadlock that lost the run's last checkpoint). Refused at once, naming the pattern that
+works; the interrupted save and the run go on."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+import incluster
+from incluster import checkpointer as ckpt_mod
+
+
+@pytest.mark.parametrize("call", ["save", "close"])
+def test_a_save_from_a_handler_that_interrupted_save_is_refused_not_deadlocked(local_dir, monkeypatch, call):
+    state = {"w": torch.arange(1000.0)}
+    said: list[str] = []
+    ck = incluster.Checkpointer(local_dir=local_dir, job="sig", writer="thread", slot_timeout_s=20)
+    real = ckpt_mod.snapshot
+
+    def handler(*_):
+        try:
+            if call == "save":
+                ck.save(99, state).wait(30)
+            else:
+                ck.close()
+            said.append("ran")
+        except incluster.CheckpointError as exc:
+            said.append(str(exc))
+
+    def interrupted(*a, **k):  # the signal lands (once) while the loop's save() is under way
+        if not said:
+            said.append("")
+            signal.raise_signal(signal.SIGUSR1)
+            said.pop(0)
+        return real(*a, **k)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        monkeypatch.setattr(ckpt_mod, "snapshot", interrupted)
+        ck.save(1, state).wait(30)  # the interrupted save lands
+        monkeypatch.setattr(ckpt_mod, "snapshot", real)
+        assert len(said) == 1 and f"{call}() was called inside another save() or close()" in said[0], said
+        assert "set a flag and save from the training loop" in said[0]
+        ck.save(2, state).wait(30)  # what the handler's flag leads to: the loop saves next
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        ck.close()
+    target = {"w": torch.zeros(1000)}
+    with incluster.Checkpointer(local_dir=local_dir, job="sig", writer="thread") as again:
+        assert again.load(target) == 2 and torch.equal(target["w"], state["w"])
+
+
+def test_a_handler_outside_any_save_still_saves(local_dir):
+    """The common case stays: a signal between steps, the handler's save and close() run."""
+    state = {"w": torch.arange(10.0)}
+    ck = incluster.Checkpointer(local_dir=local_dir, job="sig2", writer="thread")
+    ck.save(1, state).wait(30)
+    done: list[int] = []
+
+    def handler(*_):
+        ck.save(2, state).wait(30)
+        ck.close()
+        done.append(2)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        signal.raise_signal(signal.SIGUSR1)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert done == [2]
+    with incluster.Checkpointer(local_dir=local_dir, job="sig2", writer="thread") as again:
+        assert again.load({"w": torch.zeros(10)}) == 2
