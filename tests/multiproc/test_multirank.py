@@ -214,3 +214,41 @@ def test_trainer_killed_mid_save_no_rank_hangs(local_dir):
     codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], steps=4)
     assert codes == [0, 0], [job.output(r) for r in range(2)]
     _assert_restored(second, first, 2)
+
+
+def _as_if_rank_1_never_committed(base: str) -> None:
+    """Every step loses rank 1's shard: its own copies on n1 go back to staging slots (a
+    crash before its commit), its replicas on n0 never arrived."""
+    for node in ("n0", "n1"):
+        folder = os.path.join(base, node, "mp", "rank-00001")
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if name.endswith(".json"):
+                os.unlink(path)
+            elif name.endswith(".safetensors"):
+                if node == "n1":
+                    os.replace(path, os.path.join(folder, f".staging-{len(os.listdir(folder))}"))
+                else:
+                    os.unlink(path)
+
+
+@pytest.mark.parametrize("node_kept", [True, False], ids=["crash-in-first-save", "node-lost"])
+def test_a_crash_before_any_step_was_complete_starts_afresh_but_a_lost_node_is_not_passed_over(local_dir, node_kept):
+    """A crash in a job's first save left rank 0's copy of step N and rank 1's slot, never
+    committed: no step was ever durable. Every restart raised "step N lacks rank(s) [1]",
+    so the job could never start again on its own. Where rank 1's node no longer holds its
+    folder (lost, replaced), its shards may have been lost with it: still refused."""
+    codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], env=THREAD_ENV)
+    assert codes == [0, 0], [job.output(r) for r in range(2)]
+    _as_if_rank_1_never_committed(local_dir)
+    if not node_kept:
+        shutil.rmtree(os.path.join(local_dir, "n1", "mp", "rank-00001"))
+    codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], env=THREAD_ENV)
+    if node_kept:
+        assert codes == [0, 0], [job.output(r)[-2000:] for r in range(2)]
+        assert second[0]["loaded"] is None and second[1]["loaded"] is None, second
+        assert "no step of job 'mp' was ever complete" in job.output(0), job.output(0)[-2000:]
+    else:
+        assert codes == [3, 3], codes  # load() raised
+        assert all(res["load_error"][0] == "NoCheckpointError" and "lacks rank(s) [1]" in res["load_error"][1]
+                   for res in second.values()), second

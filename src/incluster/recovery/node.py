@@ -18,12 +18,14 @@ from incluster.tiers.local import ShardReader, committed_steps, data_path, rank_
 
 log = logging.getLogger("incluster")
 BAD_SUFFIX = ".bad"  # a commit record set aside with its bad copy
+FOLDER = -1  # the inventory's "step" of an item that only says a rank's folder here holds slot files
 _SET_ASIDE = re.compile(r"^step-(\d{12,})\.json\.bad$")
 
 
 def node_inventory(local_dir: str, job: str) -> list[tuple[int, ...]]:
     """(owner rank, step, bytes, world size, content id, *lineage) for every committed shard
-    in this node's folder: names, sizes and the head of each sidecar (world size -1, content
+    in this node's folder, and (owner, ``FOLDER``, ...) for every rank folder holding slot
+    files: names, sizes and the head of each sidecar (world size -1, content
     id 0 and no lineage where it cannot be read: the copy is then tried, and judged, like
     any other; the lineage, see :mod:`incluster.recovery.lineage`). A sidecar
     whose bytes are gone (a shared replica whose peer's file is) is listed with size -1: not
@@ -37,6 +39,8 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, ...]]:
     for n in names:
         if n.startswith("rank-") and n[5:].isdigit():
             folder = os.path.join(base, n)
+            if _holds_slots(folder):  # this node saved for the rank: a step it lacks was never committed here
+                out.append((int(n[5:]), FOLDER, 0, 0, 0, *NONE))
             steps = committed_steps(folder)
             for step in _set_aside(folder, steps):  # records of bad copies: sidecars only
                 world, content, lin = _head(os.path.join(folder, sidecar_file(step) + BAD_SUFFIX))
@@ -50,6 +54,15 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, ...]]:
                 world, content, lin = _head(os.path.join(folder, sidecar_file(step)))
                 out.append((int(n[5:]), step, -1 if size is None else size, world, content, *lin))
     return out
+
+
+def _holds_slots(folder: str) -> bool:
+    """Whether a rank folder holds slot files (a step's or a staging slot): its node's RAM
+    kept what the rank saved there."""
+    try:
+        return any(n.startswith(".staging-") or n.endswith(".safetensors") for n in os.listdir(folder))
+    except OSError:
+        return False
 
 
 def _set_aside(folder: str, committed: list[int]) -> list[int]:

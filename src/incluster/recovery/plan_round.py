@@ -19,6 +19,7 @@ from incluster.errors import CheckpointError, TierUnavailableError
 from incluster.recovery import lineage
 from incluster.recovery.from_persistent import persistent_plan, tier_manifests
 from incluster.recovery.gather import active_dist as _dist, device_for_collectives, scatter_from_zero
+from incluster.recovery.node import FOLDER
 from incluster.recovery.plan import Plan, RankPlan, index_holders, make_plan, nodes_of
 from incluster.recovery.reshard_pieces import Maps
 from incluster.tier_layout import set_aside_reason
@@ -61,11 +62,14 @@ def plan_round(
     if gathered is not None:
         topo = Topology.from_nodes([g[0] for g in gathered])
         held: dict[str, dict[tuple[int, ...], None]] = {}
+        saved_here: set[tuple[str, int]] = set()  # (node, rank): the node's RAM holds the rank's slot files
         # Several ranks may list the same RAM folder (simulated nodes): each copy counted once.
         # Listings of one node name from different folders (pods with their own RAM) add up.
         for node, inv in gathered:
             if inv is not None:
-                held.setdefault(node, {}).update((tuple(int(x) for x in item), None) for item in inv)
+                items = [tuple(int(x) for x in item) for item in inv]
+                saved_here.update((node, i[0]) for i in items if i[1] == FOLDER)
+                held.setdefault(node, {}).update((i, None) for i in items if i[1] != FOLDER)
         raw = {node: list(items) for node, items in held.items()}
         healed = [(node, [tuple(int(x) for x in item) for item in inv]) for node, inv in extra]
         remesh = any(e[0] == MESH for e in exclude)
@@ -132,6 +136,14 @@ def plan_round(
                 + " stay until you remove them"
             )
             plans = [msg] * ctx.world_size
+        elif plan.step is None and plan.missing and _never_committed(plan, topo, saved_here):
+            # A crash in the job's first save: no step was ever durable (the ranks it lacks have
+            # their folders, with their slots, on their nodes: their RAM was not lost). It was
+            # raised as lost shards at every restart, so the job could never start again.
+            log.warning("incluster: no step of job %r was ever complete: step(s) %s lack the shards of ranks whose "
+                        "nodes still hold their folders (saves in flight at a crash, never durable); starting "
+                        "afresh", ctx.job, sorted(plan.missing))
+            plans = [RankPlan(None) for _ in range(ctx.world_size)]
         elif plan.step is None and plan.missing:
             newest = max(plan.missing)
             old = plan.missing_world.get(newest)
@@ -182,3 +194,10 @@ def _say_dropped(ctx: Context, dropped: list[tuple[str, int, int]]) -> None:
                 steps, nodes)
 
 
+def _never_committed(plan: Any, topo: Any, saved_here: set[tuple[str, int]]) -> bool:
+    """Whether every step the cluster holds lacks only ranks that never committed it: saved
+    by this world, each rank it lacks listed by its own node as holding its slot files (a
+    node lost, replaced or moved to would not list the rank's folder)."""
+    return all(step not in plan.missing_world and
+               all((topo.node_of[r], r) in saved_here for r in lacking)
+               for step, lacking in plan.missing.items())
