@@ -74,3 +74,30 @@ def test_a_handler_outside_any_save_still_saves(local_dir):
     assert done == [2]
     with incluster.Checkpointer(local_dir=local_dir, job="sig2", writer="thread") as again:
         assert again.load({"w": torch.zeros(10)}) == 2
+
+
+def test_a_forked_child_saving_through_its_parents_checkpointer_is_refused_by_name(local_dir):
+    """It timed out with an empty TimeoutError (the staging thread and writer stayed in the
+    parent); the parent goes on saving."""
+    import os
+
+    ck = incluster.Checkpointer(local_dir=local_dir, job="forked", writer="thread")
+    try:
+        ck.save(1, {"w": torch.ones(4)}).wait(30)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what save() said, then leave without any clean-up
+            try:
+                ck.save(2, {"w": torch.ones(4)})
+                text = "saved"
+            except incluster.CheckpointError as exc:
+                text = str(exc)
+            os.write(w, text.encode()[:4000])
+            os._exit(0)
+        os.close(w)
+        said = os.read(r, 4000).decode()
+        os.waitpid(pid, 0)
+        assert f"made in process {os.getpid()}; a forked child" in said, said
+        ck.save(3, {"w": torch.ones(4)}).wait(30)
+    finally:
+        ck.close()
