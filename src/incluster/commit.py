@@ -31,7 +31,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from incluster.errors import CommitError, PeerTimeoutError, StoreLostError
 
@@ -179,20 +179,14 @@ class StoreCoordinator:
     """A client of the job's TCPStore. One per thread that blocks on it."""
 
     def __init__(self, addr: StoreAddress, rank: int, timeout: float = 60.0) -> None:
-        from torch.distributed import TCPStore
+        from incluster.store_client import connect
 
         self.addr = addr
         self.rank = rank
         self._latest_seen = ""
         self._base = f"incluster/{addr.job}/"
         self._p = self._base  # where this view's per-step keys live (at())
-        self.store = TCPStore(
-            addr.host,
-            addr.port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
+        self.store: Any = connect(addr.host, addr.port, timeout)  # a lost store raises StoreLostError, in words
 
     def at(self, timeline: int) -> StoreCoordinator:
         view = copy.copy(self)  # the same client, its per-step keys apart

@@ -80,10 +80,9 @@ def announce_writer(addr: StoreAddress, job: str, rank: int, state: str, timeout
     """The trainer's word on its writer (``"restarting <n>"`` or ``"gone"``), so partners
     wait for the new one, or stop waiting, instead of failing step after step; ``why``:
     what a partner's error should say (a Checkpointer that failed to start)."""
-    from torch.distributed import TCPStore
+    from incluster.store_client import connect
 
-    client = TCPStore(addr.host, addr.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                      wait_for_workers=False)
+    client = connect(addr.host, addr.port, timeout_s)
     if why:
         client.set(writer_key(job, rank) + "/why", why)
     client.set(writer_key(job, rank), state)
@@ -116,7 +115,7 @@ class Replicator:
         incarnation: int = 0,
         share: bool = True,
     ) -> None:
-        from torch.distributed import TCPStore
+        from incluster.store_client import connect
 
         self.rank, self.job, self.node, self.local_dir = rank, job, node, local_dir
         self.targets = list(targets)
@@ -125,7 +124,7 @@ class Replicator:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.incarnation = incarnation
         self._refused: dict[int, str] = {}  # step -> why a partner's replica was refused
-        client = TCPStore(addr.host, addr.port, is_master=False, timeout=self.timeout, wait_for_workers=False)
+        client = connect(addr.host, addr.port, timeout_s)
         self._client = client
         # One two-member gloo group per partner, not one group of all W writers: O(replicas)
         # connections per writer instead of O(W).
@@ -202,7 +201,7 @@ class Replicator:
         key = self._pair_key(peer, peer_gen)
         if self.incarnation or peer_gen:
             key, peer_gen = self._meet(peer, peer_gen)
-        pg = ProcessGroupGloo(PrefixStore(key, self._client), 0 if self.rank == lo else 1, 2, self.timeout)
+        pg = ProcessGroupGloo(PrefixStore(key, self._client.raw), 0 if self.rank == lo else 1, 2, self.timeout)
         self._pairs[peer] = (pg, 1 if self.rank == lo else 0)
         self._peer_gen[peer] = peer_gen
         if step is None:

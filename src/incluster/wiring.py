@@ -89,6 +89,8 @@ def release_store(server: Any, address: StoreAddress | None, config: Config, ran
         leave(coord.successor, coord.at(last[0]).failed, rank, last[0], last[1], CLOSED if how is None else how)
     except Exception as exc:  # noqa: BLE001 - the others then time out on such a step instead
         log.info("incluster: rank %d could not mark its last save in the job store: %s", rank, exc)
+        if coord is None and rank != 0:  # no store to check out of either (a second try: 10 s more)
+            return
     try:
         if rank != 0:
             (coord or StoreCoordinator(address, rank, timeout=10)).store.add(key, 1)

@@ -339,6 +339,10 @@ class ProcessWriter:
             else:
                 listener.on_ready(self.gen, msg.payload, msg.error)
             return
+        if msg.error_type == "StoreLostError" and self.params.store is not None:  # this process's clients too
+            from incluster.store_client import note_lost
+
+            note_lost(self.params.store.host, self.params.store.port, msg.error or "lost the job store")
         with self._lock:
             futs = self._pending.get(msg.seq)
             if futs is not None and msg.kind in (Kind.OUTCOME, Kind.ERROR):

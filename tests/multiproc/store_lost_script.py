@@ -1,0 +1,48 @@
+"""Rank 0 (the job store's host) is SIGKILLed at step 3; rank 1 saves on, then closes.
+
+    python store_lost_script.py OUT_DIR      (2 ranks, 2 nodes)
+
+Writes ``OUT_DIR/result-r1.json``: each later save's error and how long close() took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import incluster
+
+
+def main() -> int:
+    out_dir = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = {"w": torch.zeros(1 << 12)}
+    ck = incluster.Checkpointer(job="lost", replicas=1, slot_timeout_s=20)
+    ck.prepare(state).result(60)
+    res: dict = {"errors": {}}
+    for step in range(8):
+        state["w"] += 1
+        if rank == 0 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            ck.save(step, state).wait(30)
+        except incluster.CheckpointError as exc:
+            res["errors"][step] = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    ck.close()
+    res["close_s"] = time.monotonic() - t0
+    with open(os.path.join(out_dir, f"result-r{rank}.json"), "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
