@@ -86,7 +86,7 @@ def test_a_set_aside_record_is_forwarded_locally_without_a_process_group(local_d
     from incluster.format.checksum import compute
     from incluster.format.sidecar import Sidecar, read_sidecar, write_sidecar
     from incluster.recovery.forward import forward_sidecars
-    from incluster.recovery.node import BAD_SUFFIX, node_inventory
+    from incluster.recovery.node import BAD_SUFFIX, FOLDER, node_inventory
     from incluster.recovery.plan import RankPlan
     from incluster.staging.slots import sidecar_file, step_file
     from incluster.tiers.local import data_path, rank_folder
@@ -100,7 +100,9 @@ def test_a_set_aside_record_is_forwarded_locally_without_a_process_group(local_d
         f.write(data)
     one = os.path.join(rank_folder(local_dir, "job", 1), sidecar_file(5))
     os.replace(one, one + BAD_SUFFIX)  # its bytes failed: the record was set aside
-    inv = sorted(node_inventory(local_dir, "job"))
+    listed = node_inventory(local_dir, "job")
+    assert [i[:2] for i in listed if i[1] == FOLDER] == [(0, FOLDER)]  # rank 0's folder holds its slot file
+    inv = sorted(i for i in listed if i[1] != FOLDER)
     assert [i[:4] for i in inv] == [(0, 5, len(data), 2), (1, 5, -1, 2)] and inv[0][4] == inv[1][4] != 0
     ctx = SimpleNamespace(local_dir=local_dir, job="job", rank=0, node="n0")
     mine = RankPlan(5, forwarding=True, forward_send=((1, 0),), forward_recv=((1, 0, 0, "n0"),))
