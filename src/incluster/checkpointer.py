@@ -167,6 +167,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports, Teardow
         self._api = threading.RLock()
         self._api_thread: int | None = None  # the thread inside save() or close() (_api_call)
         self._pid = os.getpid()  # a forked child's save() is refused
+        self._created = time.time()  # slot files older than this are an earlier run's (recovery/node.py)
         self._closed = False
         self._checked_out = False  # out of the job store already (an exit with nothing in flight)
         self._writer: Writer = (
@@ -255,16 +256,16 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports, Teardow
         running, never skipped for it: the run's last step, say), False never; None
         follows ``persistent_every``/``persistent_interval_s``. Every rank passes the same."""
         t0 = time.perf_counter()
+        if os.getpid() != self._pid:  # before any lock: one held by a parent's thread at the fork never frees
+            raise CheckpointError(f"this Checkpointer was made in process {self._pid}; a forked child (process "
+                                  f"{os.getpid()}) cannot save through it: save from the parent, or make a new "
+                                  f"Checkpointer (another job name) in the child")
         with self._api_call("save()"):
             return self._save(step, state, t0, persist)
 
     def _save(self, step: int, state: Mapping[str, Any], t0: float, persist: bool | None = None) -> SaveHandle:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
-        if os.getpid() != self._pid:  # its threads, writer and store connection stayed in the parent
-            raise CheckpointError(f"this Checkpointer was made in process {self._pid}; a forked child (process "
-                                  f"{os.getpid()}) cannot save through it: save from the parent, or make a new "
-                                  f"Checkpointer (another job name) in the child")
         step = _config.step_number(step)
         if persist is not None and not isinstance(persist, bool):
             raise ValueError(f"persist must be True, False or None (got {persist!r})")

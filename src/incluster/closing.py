@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import Any, Iterator
@@ -29,6 +30,7 @@ class Teardown:
     events: Any
     _api: Any
     _api_thread: int | None
+    _pid: int
     _closed: bool
     _lock: threading.Lock
     _guard: Any
@@ -67,7 +69,12 @@ class Teardown:
 
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:
-        """Drain every save in flight, stop the background threads, unmap the slots."""
+        """Drain every save in flight, stop the background threads, unmap the slots. In a
+        forked child of the process that made it, nothing: its threads, writer and job
+        store are the parent's (a child leaving a with-block checked the parent's rank out
+        of the job store, and every later save of the job failed)."""
+        if os.getpid() != self._pid:
+            return
         with self._api_call("close()"):
             self._close()
 

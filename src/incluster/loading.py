@@ -59,6 +59,7 @@ class LoadPipeline:
     _began: int
     _lineage: tuple[int, int, int]
     _run: str  # the run id (rank 0's process's)
+    _created: float  # when this Checkpointer was made (time.time())
     _last_step: int
     _saves: int
     # the Checkpointer's own (and SavePipeline's) methods this half calls
@@ -132,6 +133,7 @@ class LoadPipeline:
             rank_state=self.config.reshard_rank_state,
             refuse_resize=self._refuse_resize,
             only_step=only,
+            since=self._created,
         )
         # The saves from here on are a new timeline, going on from the restored step (from
         # nothing, should the restore fail and the caller save anyway)

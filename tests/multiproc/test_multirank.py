@@ -232,23 +232,31 @@ def _as_if_rank_1_never_committed(base: str) -> None:
                     os.unlink(path)
 
 
-@pytest.mark.parametrize("node_kept", [True, False], ids=["crash-in-first-save", "node-lost"])
-def test_a_crash_before_any_step_was_complete_starts_afresh_but_a_lost_node_is_not_passed_over(local_dir, node_kept):
+@pytest.mark.parametrize("how", ["crash-in-first-save", "node-lost", "copy-set-aside"])
+def test_a_crash_before_any_step_was_complete_starts_afresh_but_a_lost_node_is_not_passed_over(local_dir, how):
     """A crash in a job's first save left rank 0's copy of step N and rank 1's slot, never
     committed: no step was ever durable. Every restart raised "step N lacks rank(s) [1]",
     so the job could never start again on its own. Where rank 1's node no longer holds its
-    folder (lost, replaced), its shards may have been lost with it: still refused."""
+    folder (lost, replaced), its shards may have been lost with it, and where its copies
+    were committed and then found bad (records set aside), steps were durable: refused."""
     codes, first, job = _run(local_dir, 0, nodes=["n0", "n1"], env=THREAD_ENV)
     assert codes == [0, 0], [job.output(r) for r in range(2)]
-    _as_if_rank_1_never_committed(local_dir)
-    if not node_kept:
+    if how == "copy-set-aside":  # as a restart that found rank 1's copies bad leaves them
+        own, replicas = (os.path.join(local_dir, n, "mp", "rank-00001") for n in ("n1", "n0"))
+        for name in os.listdir(own):
+            if name.endswith(".json"):
+                os.replace(os.path.join(own, name), os.path.join(own, name + ".bad"))
+        shutil.rmtree(replicas)
+    else:
+        _as_if_rank_1_never_committed(local_dir)
+    if how == "node-lost":
         shutil.rmtree(os.path.join(local_dir, "n1", "mp", "rank-00001"))
     codes, second, job = _run(local_dir, 1, nodes=["n0", "n1"], env=THREAD_ENV)
-    if node_kept:
+    if how == "crash-in-first-save":
         assert codes == [0, 0], [job.output(r)[-2000:] for r in range(2)]
         assert second[0]["loaded"] is None and second[1]["loaded"] is None, second
         assert "no step of job 'mp' was ever complete" in job.output(0), job.output(0)[-2000:]
     else:
         assert codes == [3, 3], codes  # load() raised
-        assert all(res["load_error"][0] == "NoCheckpointError" and "lacks rank(s) [1]" in res["load_error"][1]
+        assert all(res["load_error"][0] == "NoCheckpointError" and "rank(s) [1]" in res["load_error"][1]
                    for res in second.values()), second

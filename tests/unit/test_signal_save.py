@@ -6,6 +6,7 @@ works; the interrupted save and the run go on."""
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ def test_a_forked_child_saving_through_its_parents_checkpointer_is_refused_by_na
     parent); the parent goes on saving."""
     import os
 
-    ck = incluster.Checkpointer(local_dir=local_dir, job="forked", writer="thread")
+    ck = incluster.Checkpointer(local_dir=local_dir, job="forked", writer="thread", slot_timeout_s=20)
     try:
         ck.save(1, {"w": torch.ones(4)}).wait(30)
         r, w = os.pipe()
@@ -92,12 +93,16 @@ def test_a_forked_child_saving_through_its_parents_checkpointer_is_refused_by_na
                 text = "saved"
             except incluster.CheckpointError as exc:
                 text = str(exc)
+            t0 = time.monotonic()
+            ck.close()  # a child leaving a with-block: nothing of the parent's is touched (it waited 20 s
+            text += f"|close {time.monotonic() - t0:.1f}"  # for the parent's staging thread, then checked out)
             os.write(w, text.encode()[:4000])
             os._exit(0)
         os.close(w)
         said = os.read(r, 4000).decode()
         os.waitpid(pid, 0)
         assert f"made in process {os.getpid()}; a forked child" in said, said
-        ck.save(3, {"w": torch.ones(4)}).wait(30)
+        assert float(said.rsplit("|close ", 1)[1]) < 5, said
+        ck.save(3, {"w": torch.ones(4)}).wait(30)  # the parent's writer and threads are still its own
     finally:
         ck.close()

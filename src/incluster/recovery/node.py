@@ -22,10 +22,11 @@ FOLDER = -1  # the inventory's "step" of an item that only says a rank's folder 
 _SET_ASIDE = re.compile(r"^step-(\d{12,})\.json\.bad$")
 
 
-def node_inventory(local_dir: str, job: str) -> list[tuple[int, ...]]:
+def node_inventory(local_dir: str, job: str, since: float = 0.0) -> list[tuple[int, ...]]:
     """(owner rank, step, bytes, world size, content id, *lineage) for every committed shard
-    in this node's folder, and (owner, ``FOLDER``, ...) for every rank folder holding slot
-    files: names, sizes and the head of each sidecar (world size -1, content
+    in this node's folder, and (owner, ``FOLDER``, ...) for every rank folder that holds an
+    earlier run's slot files (made before ``since``) and no commit record at all - a rank
+    that saved here and never committed: names, sizes and the head of each sidecar (world size -1, content
     id 0 and no lineage where it cannot be read: the copy is then tried, and judged, like
     any other; the lineage, see :mod:`incluster.recovery.lineage`). A sidecar
     whose bytes are gone (a shared replica whose peer's file is) is listed with size -1: not
@@ -39,7 +40,7 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, ...]]:
     for n in names:
         if n.startswith("rank-") and n[5:].isdigit():
             folder = os.path.join(base, n)
-            if _holds_slots(folder):  # this node saved for the rank: a step it lacks was never committed here
+            if _never_committed_here(folder, since):  # an earlier run saved for the rank here, committing nothing
                 out.append((int(n[5:]), FOLDER, 0, 0, 0, *NONE))
             steps = committed_steps(folder)
             for step in _set_aside(folder, steps):  # records of bad copies: sidecars only
@@ -56,13 +57,18 @@ def node_inventory(local_dir: str, job: str) -> list[tuple[int, ...]]:
     return out
 
 
-def _holds_slots(folder: str) -> bool:
-    """Whether a rank folder holds slot files (a step's or a staging slot): its node's RAM
-    kept what the rank saved there."""
+def _never_committed_here(folder: str, since: float) -> bool:
+    """Whether a rank folder holds slot files (a staging slot, or a shard renamed before its
+    record) made before ``since`` - by an earlier run, not this one's prepare() - and no
+    commit record, kept or set aside: the rank saved here and never committed a step."""
     try:
-        return any(n.startswith(".staging-") or n.endswith(".safetensors") for n in os.listdir(folder))
+        with os.scandir(folder) as entries:
+            found = [(e.name, e.stat(follow_symlinks=False).st_mtime) for e in entries]
     except OSError:
         return False
+    if any(n.endswith(".json") or n.endswith(".json" + BAD_SUFFIX) for n, _ in found):
+        return False
+    return any((n.startswith(".staging-") or n.endswith(".safetensors")) and t < since for n, t in found)
 
 
 def _set_aside(folder: str, committed: list[int]) -> list[int]:

@@ -136,7 +136,7 @@ def plan_round(
                 + " stay until you remove them"
             )
             plans = [msg] * ctx.world_size
-        elif plan.step is None and plan.missing and _never_committed(plan, topo, saved_here):
+        elif plan.step is None and plan.missing and _never_committed(plan, topo, saved_here, raw):
             # A crash in the job's first save: no step was ever durable (the ranks it lacks have
             # their folders, with their slots, on their nodes: their RAM was not lost). It was
             # raised as lost shards at every restart, so the job could never start again.
@@ -194,10 +194,15 @@ def _say_dropped(ctx: Context, dropped: list[tuple[str, int, int]]) -> None:
                 steps, nodes)
 
 
-def _never_committed(plan: Any, topo: Any, saved_here: set[tuple[str, int]]) -> bool:
-    """Whether every step the cluster holds lacks only ranks that never committed it: saved
-    by this world, each rank it lacks listed by its own node as holding its slot files (a
-    node lost, replaced or moved to would not list the rank's folder)."""
+def _never_committed(plan: Any, topo: Any, saved_here: set[tuple[str, int]], raw: dict[str, list[Any]]) -> bool:
+    """Whether no step was ever complete: every step the cluster holds was saved by this
+    world and lacks only ranks whose own node lists their folder as holding an earlier
+    run's slot files and no commit record (a node lost, replaced or moved to does not);
+    no copy records a restore (lineage base >= 0: some step was complete then), and none
+    is a record without its bytes (a bad copy set aside, a shared replica)."""
+    items = [i for held in raw.values() for i in held]
+    if any(i[2] < 0 or (len(i) >= 8 and i[7] >= 0) for i in items):
+        return False
     return all(step not in plan.missing_world and
                all((topo.node_of[r], r) in saved_here for r in lacking)
                for step, lacking in plan.missing.items())

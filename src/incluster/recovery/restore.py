@@ -108,6 +108,7 @@ class Context:
     refuse_resize: str | None = None  # an integration's reason no step of another world size can go on
     heal: Any = None  # out: a received copy (transfer.Received) whose heal is left to the caller
     only_step: int | None = None  # load(step=N): this step or none (rank 0's decides)
+    since: float = 0.0  # when this rank's Checkpointer was made (its own slot files are newer)
 
 
 def restore(ctx: Context, state: Mapping[str, Any]) -> RestoreReport:
@@ -173,7 +174,7 @@ class _Run:
     def go(self) -> None:
         ctx, report = self.ctx, self.report
         dist = _dist()
-        mine_inv = (ctx.node, node_inventory(ctx.local_dir, ctx.job) if _reports_for_node(ctx) else None)
+        mine_inv = (ctx.node, node_inventory(ctx.local_dir, ctx.job, ctx.since) if _reports_for_node(ctx) else None)
         gathered = gather_to_zero(mine_inv, ctx.rank, ctx.world_size) if dist is not None else [mine_inv]
         for round_ in range(1, MAX_ROUNDS + 1):
             report.rounds = round_
