@@ -124,7 +124,8 @@ class TierSteps:
     def _manifested_after(self, step: int, run: Any) -> bool:
         """Whether ``run`` manifested ``step`` after this run started."""
         try:
-            manifest = json.loads(bytes(self.tier.read(f"{step_dir(self.job, step)}/{MANIFEST}")))  # type: ignore[arg-type]
+            raw = self.tier.read(f"{step_dir(self.job, step)}/{MANIFEST}")
+            manifest = json.loads(bytes(raw))  # type: ignore[arg-type]
         except (OSError, ValueError, CheckpointError):  # no manifest (yet), or unreadable
             return False
         return isinstance(manifest, dict) and manifest.get("run") == run and \

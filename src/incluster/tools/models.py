@@ -114,7 +114,8 @@ class Inventory:
         folders scanned (one node's RAM folder of a multi-node job): which ranks no folder
         holds at all. Such a listing cannot tell whether a step is complete."""
         out: dict[str, list[int]] = {}
-        for (job, _), ranks in (self.steps() if steps is None else steps).items():  # newest first: the first seen per job decides
+        # newest first: the first seen per job decides
+        for (job, _), ranks in (self.steps() if steps is None else steps).items():
             if job in out:
                 continue
             w, _ = world_size(ranks)
