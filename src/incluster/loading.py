@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -24,12 +23,12 @@ from incluster.recovery.meet import ArrivalWatch
 from incluster.recovery.restore import Context as RestoreContext
 from incluster.recovery.from_persistent import abandon_in_tier
 from incluster.recovery.restore import RestoreReport, restore
-from incluster.staging.slots import SlotRing
+from incluster.staging.slots import SlotRing, sidecar_file
 from incluster.state import snapshot
 from incluster.testing import faults
+from incluster.tiers.local import committed_steps
 
 log = logging.getLogger("incluster")
-_SIDECAR = re.compile(r"^step-(\d{12,})\.json$")
 
 
 class LoadPipeline:
@@ -247,11 +246,10 @@ def _other_jobs(local_dir: str, job: str) -> list[tuple[str, int]]:
             with os.scandir(entry.path) as ranks:
                 folders = [r.path for r in ranks if r.name.startswith("rank-") and r.is_dir(follow_symlinks=False)]
             for folder in folders:
-                with os.scandir(folder) as files:
-                    for f in files:
-                        m = _SIDECAR.match(f.name)
-                        if m and int(m.group(1)) > newest:
-                            newest, when = int(m.group(1)), f.stat(follow_symlinks=False).st_mtime
+                steps = committed_steps(folder)  # newest first
+                if steps and steps[0] > newest:
+                    newest = steps[0]
+                    when = os.stat(os.path.join(folder, sidecar_file(newest)), follow_symlinks=False).st_mtime
         except OSError:
             continue
         if newest >= 0:

@@ -470,10 +470,11 @@ class Uploader:
         d = step_dir(self.p.job, step)
         name = f"rank-{self.p.rank:05d}"
         view = memoryview(buf)[:size] if size else memoryview(b"")
+        sc = json.loads(sidecar)
         if self.p.rank == 0:
             self._retry("opening the step in the persistent tier",
                         lambda: self.steps.open(step, loaded=self.loaded, again=self._timeline >= AGAIN,
-                                                began=began_of(sidecar)))
+                                                began=began_of(sc)))
             coord.persist_gate(step, "ok", 0)
         else:  # nothing is written before rank 0 found the step free to write
             gate = waits.persist_gate(step, None, self.p.timeout_s)
@@ -482,7 +483,6 @@ class Uploader:
         self._retry("shard upload", lambda: self.tier.write(f"{d}/{name}.safetensors", view))
         faults.check("upload", self.p.rank, step)
         self._retry("sidecar upload", lambda: self.tier.write(f"{d}/{name}.json", memoryview(sidecar)))
-        sc = json.loads(sidecar)
         info = json.dumps({"rank": self.p.rank, "size": size, "checksum": sc["checksum"]})
         with self._fate:  # past this point the step may be manifested: cancel() must know
             if self._cancelled:

@@ -82,9 +82,6 @@ class TierSteps:
         if SET_ASIDE in listing:  # another timeline's copy was bad: not a verdict on this run's
             self.tier.delete(f"{step_dir(self.job, step)}/{SET_ASIDE}")
 
-    def _owner(self) -> dict[str, Any] | None:
-        return owner_record(self.tier, self.job)
-
     def _fence(self, what: str) -> None:
         """Refuse (``what`` it costs) once another run took the job's tier over: one that
         owns it after this one did, or that started later (a writer started again before
@@ -92,7 +89,7 @@ class TierSteps:
         earlier launch (a node thought dead, an allocation not ended) still training beside
         the run that replaced it, and its uploads and retention would overwrite or delete
         that run's steps."""
-        owner = self._owner()
+        owner = owner_record(self.tier, self.job)
         self._recorded = owner is not None and owner.get("run") == self.run
         if owner is None or self._recorded:
             return
@@ -104,7 +101,7 @@ class TierSteps:
         """Record this run as the job's owner: a run it replaced stops uploading at its next
         step. Warns when that run manifested one of the ``newest`` steps after this one
         started: it still trains."""
-        before = self._owner()
+        before = owner_record(self.tier, self.job)
         body = {"run": self.run, "began": self.began, "time": time.time(), "host": socket.gethostname(),
                 "pid": os.getpid()}
         self.tier.write(f"{self.job}/{OWNER}", memoryview(json.dumps(body).encode()))
@@ -124,26 +121,29 @@ class TierSteps:
     def _manifested_after(self, step: int, run: Any) -> bool:
         """Whether ``run`` manifested ``step`` after this run started."""
         try:
+            manifest = self._manifest(step)
+        except OSError:  # no manifest (yet)
+            return False
+        return manifest.get("run") == run and _num(manifest.get("created")) * 1e9 > self.began > 0
+
+    def _manifest(self, step: int) -> dict[str, Any]:
+        """``step``'s manifest; empty when it cannot be parsed (or is not a file: refused as
+        damaged). Raises OSError when it cannot be read."""
+        try:
             raw = self.tier.read(f"{step_dir(self.job, step)}/{MANIFEST}")
             manifest = json.loads(bytes(raw))  # type: ignore[arg-type]
-        except (OSError, ValueError, CheckpointError):  # no manifest (yet), or unreadable
-            return False
-        return isinstance(manifest, dict) and manifest.get("run") == run and \
-            _num(manifest.get("created")) * 1e9 > self.began > 0
+        except (ValueError, CheckpointError):
+            return {}
+        return manifest if isinstance(manifest, dict) else {}
 
     def _others(self, steps: list[int]) -> list[int]:
         """Which of ``steps`` (older than the one opened) another run manifested: not this
         Checkpointer's (its id is in the manifest), also when its writer was started again."""
         out = []
         for s in steps:
-            path = f"{step_dir(self.job, s)}/{MANIFEST}"
             if MANIFEST not in self.tier.list(step_dir(self.job, s)):
                 continue  # an upload never finished: no step of any run (retention clears it)
-            try:
-                run = json.loads(bytes(self.tier.read(path))).get("run")  # type: ignore[arg-type]
-            except (ValueError, CheckpointError):  # unreadable (or not a file: refused as damaged)
-                run = None  # unreadable: not this run's (it wrote every one of its own whole)
-            if run != self.run:
+            if self._manifest(s).get("run") != self.run:  # unreadable: not this run's (it wrote its own whole)
                 out.append(s)
         return out
 
@@ -205,11 +205,8 @@ def _num(value: Any) -> float:
     return out if math.isfinite(out) else 0.0
 
 
-def began_of(sidecar: bytes) -> int:
+def began_of(sidecar: dict[str, Any]) -> int:
     """When the run that saved a step started (rank 0's clock, ns: its lineage's first
-    field), from the step's sidecar; 0 when it does not say."""
-    try:
-        lineage = json.loads(sidecar).get("lineage")
-        return _int(lineage[0]) if isinstance(lineage, list) and lineage else 0
-    except (ValueError, AttributeError):
-        return 0
+    field), from the step's parsed sidecar; 0 when it does not say."""
+    lineage = sidecar.get("lineage")
+    return _int(lineage[0]) if isinstance(lineage, list) and lineage else 0

@@ -168,20 +168,26 @@ def test_ranks_that_disagree_on_the_rule_stop_together_with_the_reason(local_dir
     assert all("disagree" in job.output(r) for r in range(3)), [job.output(r)[-1500:] for r in range(3)]
 
 
+def _refused_into_three(local_dir: str, saved: str, where: str, env: dict) -> list[str]:
+    """The 4-rank save loaded by 3 ranks (from RAM, or with every node's RAM gone from the
+    tier), which every rank must refuse: their outputs."""
+    out, tier_env = _copy(saved, local_dir)
+    if where == "tier":
+        for n in NODES:
+            shutil.rmtree(os.path.join(local_dir, n))  # every node's RAM is gone
+    job = launch([SCRIPT, out, "load"], nodes=["n0", "n1", "n2"], ranks_per_node=1, base_dir=local_dir,
+                 env={**tier_env, "WRITER": "thread", **env})
+    codes = job.wait(120)
+    assert all(c != 0 for c in codes), codes
+    return [job.output(r) for r in range(3)]
+
+
 @pytest.mark.parametrize("where", ["ram", "tier"])
 def test_the_refuse_rule_says_so_from_ram_and_from_the_tier(local_dir, fsdp4, where):
     """From the tier, the step saved by 4 ranks was passed over with a bare warning, and
     load() ended saying its copies "failed verification or do not fit this job", advising
     to delete the node folders and the tier: good checkpoints."""
-    out, env = _copy(fsdp4, local_dir)
-    if where == "tier":
-        for n in NODES:
-            shutil.rmtree(os.path.join(local_dir, n))
-    job = launch([SCRIPT, out, "load"], nodes=["n0", "n1", "n2"], ranks_per_node=1, base_dir=local_dir,
-                 env={**env, "WRITER": "thread", "RESHARD_RULE": "refuse"})
-    codes = job.wait(120)
-    outs = [job.output(r) for r in range(3)]
-    assert all(c != 0 for c in codes), codes
+    outs = _refused_into_three(local_dir, fsdp4, where, {"RESHARD_RULE": "refuse"})
     said = "step 3 was saved by 4 ranks and this job has 3; reshard_rank_state='refuse' forbids restoring it here"
     assert all(said in o and "Restart with 4 ranks" in o for o in outs), [o[-1500:] for o in outs]
     assert not any("start afresh" in o or "old shards fetched" in o for o in outs), [o[-1500:] for o in outs]
@@ -193,15 +199,7 @@ def test_an_integration_that_cannot_resize_refuses_before_anything_is_restored(l
     after load() had restored it into the live state, right after a warning that read as
     if the restore went on. From the tier, such a step must be refused too, not passed
     over for an older one of this size (the "refuse" rule's way)."""
-    out, env = _copy(fsdp4, local_dir)
-    if where == "tier":
-        for n in NODES:
-            shutil.rmtree(os.path.join(local_dir, n))  # every node's RAM is gone
-    job = launch([SCRIPT, out, "load"], nodes=["n0", "n1", "n2"], ranks_per_node=1, base_dir=local_dir,
-                 env={**env, "WRITER": "thread", "RESHARD_REFUSE": "the loop's positions are per process"})
-    codes = job.wait(120)
-    outs = [job.output(r) for r in range(3)]
-    assert all(c != 0 for c in codes), codes
+    outs = _refused_into_three(local_dir, fsdp4, where, {"RESHARD_REFUSE": "the loop's positions are per process"})
     said = "step 3 was saved by 4 process(es) and this run has 3: the loop's positions are per process"
     assert all(said in o and "Resume with 4 process(es)" in o for o in outs), [o[-1500:] for o in outs]
     # a one-node launch with another number of processes finds the steps of a job named from
