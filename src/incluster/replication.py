@@ -66,6 +66,8 @@ class _Work:
 
 
 MEET_POLL_S = 0.2  # how often a pairing that waits re-reads its partner's incarnation
+PARTNER_NEW = "was started again"  # in a step's failure for a partner's new writer (saving.py tells them by it)
+PARTNER_GONE = "writer is gone for good"  # ... or for a partner that saves no more
 REPAIR_STEP = 1 << 32  # a repaired pair's incarnations, apart from the trainer's writer restarts (0, 1, 2...)
 
 
@@ -236,21 +238,22 @@ class Replicator:
             time.sleep(0.02)
         return key, peer_gen
 
-    def _refresh_pairs(self, step: int) -> set[int]:
+    def _refresh_pairs(self, step: int) -> tuple[set[int], set[int]]:
         """Before each exchange: one store read says whether a partner's writer was started
         again (its incarnation changed); that pair is built again, on both sides, before
         any byte moves (O(replicas) keys, one round trip). Returns the partners to leave
-        out of this step: a new writer that is already past it (its rank failed the step)."""
+        out of this step: a new writer that is already past it (its rank failed the step),
+        and apart, those whose writer is gone for good (their ranks save nothing any more)."""
         partners = sorted(self._peer_gen)
         if not partners:
-            return set()
+            return set(), set()
         values = self._client.multi_get([self._gen_key(p) for p in partners])
-        skip = set()
+        skip, gone = set(), set()
         for peer, value in zip(partners, values):
             gen = self._current_gen(peer, value)
             if gen is None:  # that rank saves nothing any more: nothing to exchange with it
                 self._pairs.pop(peer, None)
-                skip.add(peer)
+                gone.add(peer)
                 continue
             if gen != self._peer_gen[peer] and peer in self._pairs:
                 log.warning("incluster: rank %d: partner rank %d has a new writer; pairing again", self.rank, peer)
@@ -259,7 +262,7 @@ class Replicator:
                 theirs = self._build(peer, gen, step)
                 if theirs is not None and theirs > step:
                     skip.add(peer)
-        return skip
+        return skip, gone
 
     def _send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
         pg, other = self._pairs[peer]
@@ -288,11 +291,14 @@ class Replicator:
     def exchange(self, step: int, own: OwnShard | None, coord: Coordinator) -> list[int]:
         """Run one step's replication with every partner; returns the owners received."""
         try:
-            skip = self._refresh_pairs(step)
-            if skip:
-                coord.failed(step, f"rank {sorted(skip)}'s writer was started again, or saved a later step, "
+            skip, gone = self._refresh_pairs(step)
+            if gone:
+                coord.failed(step, f"rank {sorted(gone)}'s {PARTNER_GONE} (it kept dying, or its "
+                                   f"Checkpointer failed to start): no step can be complete until the job restarts")
+            elif skip:
+                coord.failed(step, f"rank {sorted(skip)}'s writer {PARTNER_NEW}, or saved a later step, "
                                    f"before this one")
-            return self._exchange(step, own, coord, skip)
+            return self._exchange(step, own, coord, skip | gone)
         except RuntimeError as exc:  # gloo (a timeout, a closed pair) or the store: the pairs are spent
             self._repair(exc)
             raise

@@ -12,11 +12,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import dataclasses
 import errno
 import functools
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -31,19 +31,17 @@ from incluster.guard import ClonePool
 from incluster.handle import SaveHandle
 from incluster.handover import SUPERSEDED, HandOver
 from incluster.catch_up import not_due
-from incluster.replication import announce_writer
+from incluster.replication import PARTNER_GONE, PARTNER_NEW
 from incluster.staging.engine import StageJob, Stager, gpu_devices
 from incluster.staging.slots import Slot, SlotRing, SlotState, sidecar_file, step_file
 from incluster.testing import faults
 from incluster.writer.base import Writer
 from incluster.writer.local_commit import CommitRequest
-from incluster.writer.process import ProcessWriter, next_generation
-from incluster.writer.spawner import writer_spawner
 from incluster.writer.protocol import WriterParams
 from incluster.writer.sequence import NO_MORE, SAME_STEPS
+from incluster.writer_keeping import MAX_WRITER_RESTARTS, WriterKeeping
 
 log = logging.getLogger("incluster")
-MAX_WRITER_RESTARTS = 3  # per Checkpointer: a writer that keeps dying has a cause to find
 EARLY_WORDS = 64  # upload outcomes kept for saves whose commit is not handled yet
 _NO_WORD = object()
 
@@ -79,7 +77,7 @@ def own_error(err: BaseException, step: int) -> BaseException:
     return dup.with_traceback(err.__traceback__)
 
 
-class SavePipeline:
+class SavePipeline(WriterKeeping):
     """Mixin of :class:`~incluster.checkpointer.Checkpointer`: what happens to a save
     once the trainer has handed it over."""
 
@@ -103,9 +101,8 @@ class SavePipeline:
     _said_superseded: bool  # a save given up for a newer one while the writer started: warned once
     _given_up: bool  # some step was (here or on another rank): its upload may be the one the tier lacks
     _writer_params: WriterParams
-    _writer_lock: threading.Lock
-    _writer_restarts: int
-    _uploaded = False  # a step of this run reached the persistent tier (a new writer keeps the job's record)
+    _peer_cause: str | None = None  # the last other rank's failure warned of (its step numbers left out)
+    _peer_repeats = 0  # how many steps in a row failed for it since
     _shrunk_to: int | None  # the fewest slots the ring was cut to for want of room (the user was told)
     _closed: bool
     _stage_pool: Any
@@ -344,12 +341,12 @@ class SavePipeline:
             err.__cause__ = exc
         peer = published and phase == "commit" and (
             isinstance(exc, PeerTimeoutError) or failed_on(str(exc)) not in (None, self.rank)
-            or "(replication: " in str(exc) or "was started again" in str(exc)  # a pair's, not this rank's
+            or "(replication: " in str(exc) or PARTNER_NEW in str(exc) or PARTNER_GONE in str(exc)  # a pair's
             # a step only some ranks saved: raised by the next save(), it would fail that step everywhere too
             or SAME_STEPS in str(exc) or NO_MORE in str(exc))
         if peer:  # another rank's failure: reported by wait() and the handle, never by this rank's next save()
             err.from_peer = True  # type: ignore[attr-defined]
-            log.warning("incluster: rank %d: %s", self.rank, err)
+            self._say_peer_failure(err)
         if job.drain is not None and self._stager.remote is not None:
             self._stager.remote.done(job.step)  # a failed drain stopped reading; a dead writer reads nothing
         self.ring.fail(job.slot, job.step)  # one locked transition: no save can take it half way
@@ -358,6 +355,20 @@ class SavePipeline:
         except Exception as fit_exc:  # noqa: BLE001 - the save's own failure must still reach its handle
             log.warning("incluster: rank %d could not leave the slots without room out: %s", self.rank, fit_exc)
         self._tell_failed(job, handle, err)
+
+    def _say_peer_failure(self, err: BaseException) -> None:
+        """Warn of a step another rank failed; the same cause for the next steps (a rank
+        that saves no more fails every later step) is said once more, then at INFO."""
+        cause = re.sub(r"\bsteps? \d+", "step", str(err))
+        repeats = self._peer_repeats + 1 if cause == self._peer_cause else 0
+        self._peer_cause, self._peer_repeats = cause, repeats
+        if repeats == 0:
+            log.warning("incluster: rank %d: %s", self.rank, err)
+        elif repeats == 1:
+            log.warning("incluster: rank %d: %s (as the step before; later steps failed for this reason are "
+                        "logged at INFO, and wait() and their handles still raise)", self.rank, err)
+        else:
+            log.info("incluster: rank %d: %s", self.rank, err)
 
     def _tell_failed(self, job: StageJob, handle: SaveHandle, err: BaseException) -> None:
         """Report ``job.step`` as not durable: the event, wait()'s error, the handle."""
@@ -377,107 +388,6 @@ class SavePipeline:
             with contextlib.suppress(InvalidStateError):  # an upload's word may resolve it meanwhile
                 handle.persisted.set_result(False)
         job.host_done.set()
-
-    def _writer_died(self) -> None:
-        """The writer process is gone: start its successor now, in the background, so it
-        is paired with the replication partners before the next save reaches it."""
-        if self._closed:
-            return
-        # At once, so replication partners wait for the new writer instead of failing steps.
-        self._announce("gone" if self._writer_restarts >= MAX_WRITER_RESTARTS else f"restarting {self._writer_restarts + 1}")
-
-        def replace() -> None:
-            try:
-                self._live_writer()
-            except Exception as exc:  # noqa: BLE001 - the next save reports it
-                log.warning("incluster: rank %d: %s", self.rank, exc)
-
-        try:
-            self._stage_pool.submit(replace)
-        except RuntimeError:  # shutting down
-            pass
-
-    def _live_writer(self) -> Writer:
-        """The writer; if its process died, a new one takes its place (at most
-        ``MAX_WRITER_RESTARTS`` times per Checkpointer). Saves that were in flight are
-        lost - the dead writer's rank already reported them failed - and every later save
-        goes to the new writer, which pairs again with this rank's replication partners."""
-        with self._writer_lock:
-            dead = getattr(self._writer, "dead", None)
-            if dead is None or self._closed:
-                return self._writer
-            gone = self._writer_gone()
-            if gone is not None:
-                raise gone
-            self._writer_restarts += 1
-            with self._lock:
-                uploads = list(self._uploads)
-            for timeline, step in uploads:  # their slots must not stay pinned for an upload that is gone
-                self._persisted(step, "the writer process died during the upload", timeline)
-            log.warning(
-                "incluster: rank %d: %s; starting a new writer process (%d of at most %d restarts)",
-                self.rank, dead, self._writer_restarts, MAX_WRITER_RESTARTS,
-            )
-            old = self._writer
-            params = dataclasses.replace(self._writer_params, gen=next_generation(), incarnation=self._writer_restarts)
-            if params.persist is not None and self._uploaded:  # the run's record is its own: the fence holds
-                params = dataclasses.replace(params, persist=dataclasses.replace(params.persist, owned=True))
-            try:
-                self._writer = writer_spawner().submit(
-                    ProcessWriter, params, on_persisted=self._persisted, on_death=self._writer_died
-                ).result()
-                self._writer.drain_listener = self._stager.remote  # type: ignore[attr-defined]
-            except BaseException:
-                # Partners wait for the announced incarnation: say which comes next, or that none will.
-                done = self._writer_restarts >= MAX_WRITER_RESTARTS
-                self._announce("gone" if done else f"restarting {self._writer_restarts + 1}")
-                raise
-            old.close(1.0)
-            for folder, step in getattr(old, "unsent_replicates", ()):  # a restored step's replicas
-                self._writer.replicate(folder, step)
-            return self._writer
-
-    def _tell_writer_failed(self, step: int, reason: str, seq: tuple[int, int, int]) -> None:
-        """Tell the writer that ``step`` failed (the other ranks hear it from there); a
-        writer gone for good, or one whose successor cannot start, publishes it from this
-        process (``ProcessWriter.fail`` on a dead one)."""
-        try:
-            writer = self._writer if self._writer_gone() is not None else self._live_writer()
-        except Exception:  # noqa: BLE001 - no successor: the dead writer's fail() publishes from here
-            writer = self._writer
-        writer.fail(step, reason, seq)
-
-    def _writer_answered(self) -> None:
-        """Staging thread, before a save is handed to the writer: the writer's start is
-        over (neither the constructor nor load() waits for it; ``_handover`` runs the
-        hand-off only then, so this does not wait). A save is then never held by a writer
-        whose start fails: ``_live_writer`` hands it to the next one."""
-        wait = getattr(self._writer, "wait_started", None)
-        if wait is None:
-            return
-        try:
-            wait()  # bounded: the start's own handshake timeout ends it
-        except Exception:  # noqa: BLE001 - it died starting: the next one takes the save
-            pass
-
-    def _writer_gone(self) -> WriterProcessDied | None:
-        """Why this rank saves no more: its writer died after its last restart; else None."""
-        dead = getattr(self._writer, "dead", None)
-        if dead is None or self._writer_restarts < MAX_WRITER_RESTARTS:
-            return None
-        return WriterProcessDied(
-            f"{dead}. It was started again {self._writer_restarts} times in this job and is not "
-            f"started again: look for what kills it (its stderr, the kernel log: out of memory?), "
-            f"then restart the job - it resumes from the newest complete step")
-
-    def _announce(self, state: str) -> None:
-        params = self._writer_params
-        if params.store is None or not (params.targets or params.sources):
-            return  # no replication partner waits for this writer
-        try:
-            announce_writer(params.store, params.job, self.rank, state)
-        except Exception as exc:  # noqa: BLE001 - they then fail a step or two instead
-            log.warning("incluster: rank %d could not tell its partners about its writer: %s", self.rank, exc)
 
     def _fit_ring(self, exc: BaseException, size: int) -> bool:
         """A new slot got no RAM (``exc``): keep as many steps as the RAM disk holds,
