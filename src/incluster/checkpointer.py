@@ -165,7 +165,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports, Teardow
         # save() and close() one at a time: a close() on another thread never shuts the
         # staging pool under a save() that already passed its "closed?" check
         self._api = threading.RLock()
-        self._api_thread: int | None = None  # the thread inside save() or close() (_api_call)
+        self._api_threads: dict[int, str] = {}  # thread id -> the API call it is inside (_api_call)
         self._pid = os.getpid()  # a forked child's save() is refused
         self._created = time.time()  # slot files older than this are an earlier run's (recovery/node.py)
         self._closed = False
@@ -400,6 +400,10 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports, Teardow
         process included (it starts with the Checkpointer, in the background; saves made
         before it answers may be given up for newer ones, see ``early_saves``). Also makes
         the reused memory save() copies unguarded CPU tensors into (see ``guard.ClonePool``)."""
+        with self._api_call("prepare()"):
+            return self._prepare_call(state)
+
+    def _prepare_call(self, state: Mapping[str, Any]) -> "Future[None]":
         self._check_usable()
         shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
 

@@ -29,7 +29,7 @@ class Teardown:
     ring: Any
     events: Any
     _api: Any
-    _api_thread: int | None
+    _api_threads: dict[int, str]  # thread id -> the API call it is inside
     _pid: int
     _closed: bool
     _lock: threading.Lock
@@ -45,27 +45,31 @@ class Teardown:
     _loads: int
     _last_step: int
     _claim: Any
-    wait: Any  # ErrorReports
+    _wait: Any  # ErrorReports
     _hand_over_queued: Any  # SavePipeline
     _persisted: Any  # SavePipeline
 
     @contextlib.contextmanager
-    def _api_call(self, what: str) -> Iterator[None]:
-        """Hold the API lock. A call made on a thread already inside save() or close() is a
-        signal handler that interrupted one: it would run over (or deadlock on) the half-
-        done call's locks, so it is refused at once, naming the pattern that works."""
+    def _api_call(self, what: str, lock: bool = True) -> Iterator[None]:
+        """Hold the API lock (``lock``) and mark this thread as inside ``what``. A call made
+        on a thread already inside save(), close(), load(), prepare() or wait() is a signal
+        handler that interrupted one: it would run over (or deadlock on) the half-done
+        call's locks - a save() inside load() would even take a half-restored state - so it
+        is refused at once, naming the pattern that works. Calls these make themselves go
+        through the unmarked halves (``_save``, ``_close``, ``_wait``)."""
         me = threading.get_ident()
-        if self._api_thread == me:
+        outer = self._api_threads.get(me)
+        if outer is not None:
             raise CheckpointError(
-                f"{what} was called inside another save() or close() on the same thread: a signal handler that "
-                f"interrupted one (it cannot finish before the handler returns). In the handler, set a flag and "
-                f"save from the training loop at its next step, then close()")
-        with self._api:
-            self._api_thread = me
+                f"{what} was called inside {outer} on the same thread: a signal handler that interrupted it (it "
+                f"cannot finish before the handler returns). In the handler, set a flag and save from the training "
+                f"loop at its next step, then close()")
+        with self._api if lock else contextlib.nullcontext():
+            self._api_threads[me] = what
             try:
                 yield
             finally:
-                self._api_thread = None
+                del self._api_threads[me]
 
     # -- teardown ---------------------------------------------------------------------
     def close(self) -> None:
@@ -84,7 +88,7 @@ class Teardown:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.slot_timeout_s  # close()'s wait for uploads, all of it
         try:
-            self.wait()
+            self._wait()
             deadline = time.monotonic() + self.config.slot_timeout_s  # from the last save's end
             try:
                 catch_up(self, deadline)  # the tier lacks the newest durable step: it goes now

@@ -62,7 +62,8 @@ class LoadPipeline:
     _last_step: int
     _saves: int
     # the Checkpointer's own (and SavePipeline's) methods this half calls
-    wait: Callable[..., None]
+    _wait: Callable[..., None]
+    _api_call: Callable[..., Any]
     _check_usable: Callable[..., None]
     _live_writer: Callable[[], Any]
     _writer: Any
@@ -79,6 +80,10 @@ class LoadPipeline:
         before any byte lands. The steps saved after it are then dropped from this node's
         RAM, and the saves from here on are a new timeline that restores take over them
         (until the first save after the rollback, a restart would find them again)."""
+        with self._api_call("load()"):
+            return self._load_marked(state, step)
+
+    def _load_marked(self, state: Mapping[str, Any], step: int | None) -> int | None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
         if step is not None:
@@ -112,7 +117,7 @@ class LoadPipeline:
 
     def _load(self, state: Mapping[str, Any], only: int | None = None) -> int | None:
         try:
-            self.wait()  # saves in flight end first; their failures are superseded by the restore
+            self._wait()  # saves in flight end first; their failures are superseded by the restore
         except CheckpointError as exc:
             # Raised here on some ranks only, it would leave the others waiting in the
             # restore's collectives: reported, not raised.

@@ -26,6 +26,7 @@ class ErrorReports:
     ring: Any
     _closed: bool
     _lock: threading.Lock
+    _api_call: Any  # Teardown's
     _pending: list[SaveHandle]
     _errors: list[tuple[SaveHandle, BaseException]]
     _writer: Any
@@ -35,6 +36,10 @@ class ErrorReports:
         """Block until every save so far has settled; raise the first background error
         (not another rank's failure, nor a step given up for a newer one while the writer
         started, once a newer step is durable: their handles say why)."""
+        with self._api_call("wait()", lock=False):  # not serialised with save(): only marked
+            self._wait(timeout)
+
+    def _wait(self, timeout: float | None = None) -> None:
         with self._lock:
             pending = [h for h in self._pending if not h.reported]  # each error reaches the caller once
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.slot_timeout_s)
