@@ -28,8 +28,9 @@ class Config:
     """Tier 0: this node's RAM-disk folder (``INCLUSTER_LOCAL_DIR``, default /dev/shm/incluster)."""
     job: str
     """Namespace of this job's files: ``INCLUSTER_JOB``, else torchrun's ``TORCHELASTIC_RUN_ID``
-    (unless it is torchrun's default, "none"), else a name derived from the launch (see
-    ``default_job``) - never one that unrelated runs share."""
+    (unless it is torchrun's default, "none", or a run id torchrun drew itself for a one-node
+    job, new at every launch), else a name derived from the launch (see ``default_job``) -
+    never one that unrelated runs share."""
     node: str
     """This node's identity (``INCLUSTER_NODE``, default the host name)."""
     keep: int = 2

@@ -71,15 +71,16 @@ class LoadPipeline:
 
     def load(self, state: Mapping[str, Any], *, step: int | None = None) -> int | None:
         """Restore the newest step that every rank can get a verified copy of - from its
-        own node, a peer's RAM, or (later) the persistent tier - into ``state`` in place.
+        own node, a peer's RAM, or else the persistent tier - into ``state`` in place.
         Returns the step, or None when nothing was saved. Collective: every rank calls it.
         The decision is kept in ``last_restore`` and logged in one line per rank.
 
         ``step``: that step and no other (a rollback, say), from wherever it is; every rank
         passes the same (rank 0's is used). NoCheckpointError when it cannot be restored,
         before any byte lands. The steps saved after it are then dropped from this node's
-        RAM, and the saves from here on are a new timeline that restores take over them
-        (until the first save after the rollback, a restart would find them again)."""
+        RAM (set aside in the persistent tier), and the saves from here on are a new
+        timeline: no later restore takes the dropped steps, a restart before the next save
+        included."""
         with self._api_call("load()"):
             return self._load_marked(state, step)
 
