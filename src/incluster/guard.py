@@ -40,7 +40,7 @@ class StepGuard:
     def __init__(self, on_step: Callable[[], None]) -> None:
         self._on_step = on_step
         self._seen: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self._cache: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], frozenset[int]]]" = (
+        self._cache: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, int, int], frozenset[int]]]" = (
             weakref.WeakKeyDictionary()
         )
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -78,9 +78,15 @@ class StepGuard:
         optimizers found in the state and of every optimizer seen stepping."""
         out: set[int] = set()
         for opt in {id(o): o for o in [*found, *self._seen]}.values():
-            key = (len(opt.state), sum(len(g["params"]) for g in opt.param_groups))
+            # Cached while the optimizer holds the same tensors: its state appears lazily
+            # (at the first step), load_state_dict() puts new state tensors in a new dict,
+            # and a parameter's .data can be replaced (model.to(), p.data = ...). A stale
+            # entry would take memory the optimizer let go of - reused for a plain tensor -
+            # as guarded: not copied at save(), so changed under the copy.
+            params = [p for g in opt.param_groups for p in g["params"]]
+            key = (id(opt.state), len(opt.state), hash(tuple(map(torch.Tensor.data_ptr, params))))
             hit = self._cache.get(opt)
-            if hit is None or hit[0] != key:  # state appears lazily, at the first step
+            if hit is None or hit[0] != key:
                 hit = (key, frozenset(optimizer_pointers(opt)))
                 self._cache[opt] = hit
             out |= hit[1]

@@ -110,6 +110,21 @@ def test_a_job_starts_from_dcp_and_continues_with_incluster(local_dir, tmp_path)
     assert train(m3, o3, range(6, 8)) == reference[6:8]
 
 
+def test_load_dcp_fills_an_empty_dict_with_lists_as_lists(tmp_path):
+    """A list under an empty dict came back as a dict with int keys holding None beside str
+    keys holding the values (a Lightning export's ``lr_schedulers`` read that way)."""
+    saved = {"scheds": [{"last_epoch": 7, "lrs": [0.1, 0.2]}, {"last_epoch": 3, "lrs": []}],
+             "w": [torch.arange(3.0), {"b": torch.ones(2)}], "n": 5}
+    path = str(tmp_path / "lists")
+    dcp.save({"extra": saved}, checkpoint_id=path)
+    live: dict = {"extra": {}}
+    load_dcp(live, path)
+    got = live["extra"]
+    assert got["scheds"] == saved["scheds"] and got["n"] == 5, got
+    assert isinstance(got["w"], list) and torch.equal(got["w"][0], saved["w"][0]), got
+    assert torch.equal(got["w"][1]["b"], torch.ones(2)), got
+
+
 def test_load_dcp_names_what_does_not_match(tmp_path):
     m, o = fresh()
     path = str(tmp_path / "c")

@@ -205,3 +205,30 @@ def test_two_views_of_one_tensor_in_a_plain_dict_both_keep_their_save_time_value
         w.mul_(10)
         h.wait()
         _assert_shard_is(ck.folder, 1, expected)
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "param.data"])
+def test_a_tensor_an_optimizer_let_go_of_is_copied_at_save_time(local_dir, slow_staging, change):
+    """The pointers only a step changes were cached per optimizer, keyed by the counts of
+    its state and parameters: after ``opt.load_state_dict`` (new state tensors) or a
+    parameter's ``.data`` replaced, the counts stay, so memory the optimizer no longer
+    owned - freed and reused for a plain tensor, here kept as one - was still taken as
+    guarded: not copied at save(), and its next in-place change landed in the checkpoint."""
+    m, o = _model_and_optim()
+    _grads(m)
+    o.step()
+    with _ckpt(local_dir) as ck:
+        ck.save(1, {"model": m, "optim": o, "extra": {"ema": torch.zeros(4)}}).wait()  # guarded pointers cached
+        first = next(iter(m.parameters()))
+        if change == "load_state_dict":
+            let_go = o.state[first]["exp_avg"]
+            o.load_state_dict(copy.deepcopy(o.state_dict()))
+        else:
+            let_go = first.data
+            first.data = first.data.clone()
+        state = {"model": m, "optim": o, "extra": {"ema": let_go}}
+        expected = {"extra": {"ema": let_go.clone()}}
+        h = ck.save(2, state)
+        let_go.add_(1.0)  # a plain tensor now: changed at once, no optimizer step
+        h.wait()
+        _assert_shard_is(ck.folder, 2, expected | {"model": m.state_dict()})

@@ -72,15 +72,22 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
         path = paths.get(fqn)
         if not isinstance(path, tuple) or len(path) < 2 or not isinstance(state.get(path[0]), dict):
             continue
+        size = getattr(item, "size", None)
+        leaf = None if size is None else torch.empty(size, dtype=item.properties.dtype)
         node: Any = state[path[0]]
-        for part in path[1:-1]:
-            if not isinstance(node, dict):
-                break
-            node = node.setdefault(part, {})
-        else:
-            if isinstance(node, dict) and path[-1] not in node:
-                size = getattr(item, "size", None)
-                node[path[-1]] = None if size is None else torch.empty(size, dtype=item.properties.dtype)
+        for i, part in enumerate(path[1:], 1):  # an int part is a list index (DCP flattens lists so)
+            last = i == len(path) - 1
+            made = leaf if last else ([] if isinstance(path[i + 1], int) else {})
+            if isinstance(node, dict) and not isinstance(part, int):
+                if part not in node:
+                    node[part] = made
+            elif isinstance(node, list) and isinstance(part, int):
+                node.extend([None] * (part + 1 - len(node)))
+                if node[part] is None:
+                    node[part] = made
+            else:
+                break  # the live state has another shape here: DCP loads what fits, as it would
+            node = node[part]
 
 
 def _noting_planner(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> Any:
