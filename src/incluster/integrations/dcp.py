@@ -77,7 +77,7 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
         node: Any = state[path[0]]
         for i, part in enumerate(path[1:], 1):  # an int part is a list index (DCP flattens lists so)
             last = i == len(path) - 1
-            made = leaf if last else ([] if isinstance(path[i + 1], int) else {})
+            made: Any = leaf if last else ([] if isinstance(path[i + 1], int) else {})
             if isinstance(node, dict) and not isinstance(part, int):
                 if part not in node:
                     node[part] = made
