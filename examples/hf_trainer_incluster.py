@@ -59,7 +59,8 @@ def main() -> None:
         report_to="none",
         use_cpu=not torch.cuda.is_available(),
     )
-    ckpt = incluster.Checkpointer(job=a.job, persistent=a.persistent, persistent_every=5)
+    ckpt = incluster.Checkpointer(job=a.job, persistent=a.persistent,
+                                  persistent_every=5 if a.persistent else None)
     torch.manual_seed(0)  # the same initial model in every run: a resumed run matches an uninterrupted one bitwise
     trainer = InclusterTrainer(model=GPT2LMHeadModel(cfg), args=args, train_dataset=Tokens(), checkpointer=ckpt)
     trainer.train(resume_from_checkpoint=True)  # newest complete step, or from scratch

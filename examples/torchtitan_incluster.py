@@ -42,6 +42,6 @@ def llama3_8b_incluster() -> Trainer.Config:
         interval=50,
         replicas=1,
         persistent=None,  # e.g. "s3://bucket/run" or "/mnt/shared/ckpt"; or --checkpoint.persistent
-        persistent_every=10,
+        persistent_every=None,  # with a persistent tier: every Nth save goes there (e.g. 10)
     )
     return config

@@ -67,6 +67,7 @@ class Checkpointer(EarlySaves, SavePipeline, LoadPipeline, ErrorReports, Teardow
         self._job_derived = False  # rank 0: no job= or INCLUSTER_JOB, so the name came from the launch
         self._replicas_asked = "replicas" in options  # else the default: a shortfall is news, not a warning
         self._refuse_resize: str | None = None  # an integration's reason a step of another world size cannot go on
+        self._left_out_ok = False  # an integration's load() leaves parts out on purpose (evaluation: no optimizers)
         self.rank, self.world_size = launch.rank_world()
         self.folder = rank_folder(self.config.local_dir, self.config.job, self.rank)
         if self.rank == 0:

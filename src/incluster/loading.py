@@ -55,6 +55,7 @@ class LoadPipeline:
     _store_address: Any
     _loads: int
     _refuse_resize: str | None
+    _left_out_ok: bool
     _began: int
     _lineage: tuple[int, int, int]
     _run: str  # the run id (rank 0's process's)
@@ -137,6 +138,7 @@ class LoadPipeline:
             persistent=wiring.persistent_tier(self.config),
             rank_state=self.config.reshard_rank_state,
             refuse_resize=self._refuse_resize,
+            left_out_ok=self._left_out_ok,
             only_step=only,
             since=self._created,
         )

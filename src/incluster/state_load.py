@@ -437,15 +437,20 @@ def load_into(
     *,
     allow_pickle: bool = False,
     placed: Mapping[str, torch.Tensor] | None = None,
+    left_out_ok: bool = False,
 ) -> None:
     """Restore ``tree`` into the live ``state`` in place; raise naming any mismatch.
 
     ``placed``: tensors that already hold a stored tensor's bytes (written there by the
     caller, see :func:`live_targets`); a live tensor that is that very memory is not
-    copied again, any other use of the name copies from it instead of calling ``fetch``."""
+    copied again, any other use of the name copies from it instead of calling ``fetch``.
+    ``left_out_ok``: parts of the checkpoint missing from ``state`` are left out on purpose
+    (an integration's evaluation load, without optimizers): said at INFO, not WARNING."""
     _check_tree(state, tree)
     left_out = tuple(k for k, _ in tree["d"] if k not in state)
-    if left_out and left_out not in _SAID_LEFT_OUT:  # a model-only load is fine; a forgotten optimizer is not
+    if left_out and left_out_ok:
+        log.info("incluster: the checkpoint also holds %s, not restored (not needed here)", list(left_out))
+    elif left_out and left_out not in _SAID_LEFT_OUT:  # a model-only load is fine; a forgotten optimizer is not
         _SAID_LEFT_OUT.add(left_out)
         log.warning("incluster: the checkpoint also holds %s, which this load() was not given: not restored "
                     "(put it in the state passed to load() to restore it)", list(left_out))

@@ -132,3 +132,20 @@ def test_the_callback_saves_at_the_end_of_fit_never_twice_and_refuses_a_resized_
                                                                       "COMMITTED.json"))
     assert sorted(n for n in os.listdir(os.path.join(tier, "tiered")) if n.startswith("step-")) == ["step-000000000003", "step-000000000010"]
     assert os.path.exists(os.path.join(tier, "tiered", "step-000000000010", "COMMITTED.json"))
+
+
+def test_validate_test_and_predict_restore_the_fits_weights_without_warning_of_the_optimizer(local_dir, tmp_path):
+    """Evaluations leave the optimizers out on purpose (the strategy asks for the model
+    alone); each warned that the checkpoint also holds 'optimizer_0', which a Lightning
+    user can do nothing about."""
+    require("pytorch-lightning", "pytorch_lightning")
+    out = str(tmp_path / "evals.json")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", LOCAL_RANK="0",
+               NODE_RANK="0", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lightning_eval.py"), out,
+                           local_dir], env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.load(open(out))
+    for fn in ("validate", "test", "predict"):
+        assert res[fn]["step"] == 6 and res[fn]["bitwise"], (fn, res[fn])
+        assert res[fn]["warnings"] == [], (fn, res[fn]["warnings"])

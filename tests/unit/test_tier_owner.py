@@ -116,3 +116,22 @@ def test_a_leftover_runs_rollback_does_not_set_the_later_runs_steps_aside(tmp_pa
     assert "its steps newer than step 3 are kept" in caplog.text
     abandon_in_tier(tier, "p", 4, "new", 200)  # the owner's own rollback goes ahead
     assert list_steps(tier, "p") == {5: False, 4: True}
+
+
+def test_a_half_written_owner_record_a_killed_run_left_is_swept(local_dir, tmp_path):
+    """A run killed while it wrote RUN.json left RUN.json.tmp-PID in the tier for good (no
+    later run removed it, and nothing listed it). One older than a live write could be
+    goes at the next retention; a fresh one - maybe another run's write under way - stays."""
+    root = str(tmp_path / "persist")
+    os.makedirs(os.path.join(root, "p"), mode=0o700)
+    stale, fresh = (os.path.join(root, "p", f"RUN.json.tmp-{pid}") for pid in (4029, 4030))
+    for path in (stale, fresh):
+        with open(path, "w") as f:
+            f.write('{"run": "cut sho')
+    os.utime(stale, (1e9, 1e9))
+    with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
+                                persistent_every=1) as ck:
+        for step in (1, 2):
+            assert ck.save(step, _state(float(step))).persisted.result(60)
+    assert not os.path.exists(stale) and os.path.exists(fresh)
+    assert _manifests(root) == [1, 2]

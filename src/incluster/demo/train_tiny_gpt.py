@@ -129,7 +129,7 @@ def main() -> None:
     ckpt = incluster.Checkpointer(
         replicas=1,
         persistent=args.persistent,
-        persistent_every=args.persistent_every,
+        persistent_every=args.persistent_every if args.persistent else None,
         persistent_options=options,
         run_dir=args.run_dir,
     )

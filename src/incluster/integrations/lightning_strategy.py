@@ -182,6 +182,7 @@ class InclusterStrategyMixin:
         state = ls.template(model, optimizers if fitting else [])
         why = "Lightning's loop and data-loader positions and each rank's RNG are per process"
         self.incluster._refuse_resize = why  # refused before anything is restored, in these words
+        self.incluster._left_out_ok = not fitting  # validate/test/predict: the optimizers are not wanted
         step = self.incluster.load(state)
         refuse_resize(self.incluster, why)
         self.incluster_restored_step = step
@@ -258,7 +259,7 @@ def require_strategy(strategy: Any, names: Sequence[str]) -> InclusterStrategyMi
     if isinstance(strategy, InclusterStrategyMixin):
         return strategy
     raise CheckpointError(
-        f"the Trainer's strategy is a {type(strategy).__name__}, which saves on rank 0 only; pass "
+        f"the Trainer's strategy is a {type(strategy).__name__}, which does not save through incluster; pass "
         f"strategy={names[0]}(checkpointer=dict(...)) (or one of {', '.join(names[1:])}) from "
         f"incluster.integrations.lightning"
     )

@@ -90,7 +90,7 @@ class Reshard:
             try:
                 moved = self._move(src, live, pieces)
                 load_into(self.state, self._tree, self._fetch, allow_pickle=self.ctx.allow_pickle,
-                          placed=self._placed)
+                          placed=self._placed, left_out_ok=self.ctx.left_out_ok)
             except CANNOT_LOAD as exc:  # after the last round: never a rank returning while another raises
                 problem = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
             self._stop_together(problem)

@@ -106,6 +106,7 @@ class Context:
     persistent: Any = None  # a FsspecTier, or None
     rank_state: str = "same-rank"  # reshard_rank_state: a restore into another world size
     refuse_resize: str | None = None  # an integration's reason no step of another world size can go on
+    left_out_ok: bool = False  # an integration leaves parts of the checkpoint out on purpose (load_into)
     heal: Any = None  # out: a received copy (transfer.Received) whose heal is left to the caller
     only_step: int | None = None  # load(step=N): this step or none (rank 0's decides)
     since: float = 0.0  # when this rank's Checkpointer was made (its own slot files are newer)
@@ -437,7 +438,8 @@ class _Run:
         """Every byte is verified and in place: finish the load (scratch copies, containers,
         load_state_dict where needed)."""
         _check_world(sc, self.ctx, step)
-        load_into(self.state, sc.tree, landing.fetch, allow_pickle=self.ctx.allow_pickle, placed=landing.placed)
+        load_into(self.state, sc.tree, landing.fetch, allow_pickle=self.ctx.allow_pickle, placed=landing.placed,
+                  left_out_ok=self.ctx.left_out_ok)
         self.report.step, self.report.bytes = step, landing.nbytes
         self.loaded, self.loaded_as = step, tuple(sc.lineage)
 
