@@ -124,6 +124,37 @@ def test_optimizer_step_right_after_save_is_ordered_after_the_copies(
         _assert_shard(ck.folder, 2, expected)
 
 
+@pytest.mark.parametrize("gpu_snapshot", [None, 0], ids=["snapshot", "direct"])
+def test_an_update_still_queued_on_the_gpu_at_save_is_in_the_checkpoint(local_dir, gpu_snapshot):
+    """save() right after an in-place update the GPU has not run yet (queued behind a
+    ~0.2 s sleep on the compute stream, nothing synchronized): the side-stream copies
+    must wait for the work queued before save(), so the checkpoint holds the updated
+    values. A BatchNorm buffer the next forward changes right after save() keeps its
+    save-time value (cloned on the compute stream, behind the update)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024),
+                            torch.nn.Linear(1024, 1024)).cuda()
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    state = {"model": m, "optim": o}
+    with incluster.Checkpointer(local_dir=local_dir, job="queued", replicas=0, gpu_snapshot=gpu_snapshot) as ck:
+        _step(m, o)
+        ck.save(1, state).wait()  # slots (and the snapshot buffer) ready
+        before = _expected(state)  # synchronized
+        params = {p.data_ptr() for p in m.parameters()}
+        flat = flatten(state)
+        expected = {s.name: before[s.name] + 1 if t.data_ptr() in params else before[s.name]
+                    for s, t in zip(flat.specs, flat.tensors)}
+        torch.cuda._sleep(DELAY)  # on the compute stream: the update below waits behind it
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        h = ck.save(2, state)
+        m(torch.randn(64, 1024, device="cuda"))  # train-mode forward: BatchNorm's statistics change
+        h.wait()
+        assert ck.gpu_snapshot_active is (gpu_snapshot is None)
+        _assert_shard(ck.folder, 2, expected)
+
+
 def test_a_writer_killed_while_it_drains_loses_only_that_save(local_dir, remote_steps):
     """SIGKILL the writer right after it took a drain: that save fails, the buffer is
     free again, the next saves drain in the trainer until a new writer opens it."""

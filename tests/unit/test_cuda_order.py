@@ -273,3 +273,32 @@ def test_page_locking_from_an_exit_hook_runs_inline(local_dir, cudart, monkeypat
         assert [c[0] for c in fake.calls] == ["register", "unregister"] and not slot.pinned
     finally:
         ring.close()
+
+
+def test_a_snapshot_buffer_the_gpu_had_no_room_for_is_not_tried_again_at_every_save(monkeypatch):
+    """With gpu_snapshot=<bytes> over what the GPU has free, the allocation failed at every
+    save - each failure has torch's caching allocator free every cached block and retry, a
+    device-wide stall on the training GPU per save. Now tried once per size; a smaller
+    buffer (a smaller state) is still tried."""
+    import contextlib
+
+    from incluster.staging import device_snapshot
+
+    tried: list[int] = []
+
+    def zeros(n, dtype=None, device=None):
+        tried.append(n)
+        if n >= 1 << 20:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return torch.empty(n, dtype=dtype)
+
+    monkeypatch.setattr(device_snapshot.torch, "zeros", zeros)
+    monkeypatch.setattr(device_snapshot.torch.cuda, "mem_get_info", lambda dev: (1 << 30, 1 << 31))
+    monkeypatch.setattr(device_snapshot.torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(device_snapshot.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(device_snapshot.torch.cuda, "current_stream", lambda dev=None: FakeStream(0))
+    snaps = DeviceSnapshots(1 << 30)  # an explicit budget: free memory is not asked
+    assert not snaps._room(0, 4 << 20)
+    assert not snaps._room(0, 4 << 20) and not snaps._room(0, 8 << 20)
+    assert tried == [4 << 20]
+    assert snaps._room(0, 1 << 19) and tried == [4 << 20, 1 << 19]  # smaller: tried, and it fits

@@ -117,6 +117,7 @@ class DeviceSnapshots:
         self.active = False
         self._plans: dict[str, Plan] = {}
         self._said: set[str] = set()
+        self._failed: dict[int, int] = {}  # device -> the smallest buffer its allocation failed for
 
     def plan(self, layout: Layout, tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> Plan | None:
         """The plan for this save, with the buffer allocated; None: copy directly."""
@@ -152,8 +153,8 @@ class DeviceSnapshots:
         """Make the buffer at least ``need`` bytes on ``dev`` if the budget allows."""
         if self.buf is not None and self.buf.get_device() == dev and self.buf.numel() >= need:
             return True
-        if self.setting == 0:
-            return False
+        if self.setting == 0 or need >= self._failed.get(dev, need + 1):
+            return False  # off, or no more room than at the last try: not again (each try empties the cache)
         free, total = torch.cuda.mem_get_info(dev)
         have = self.buf.numel() if self.buf is not None and self.buf.get_device() == dev else 0
         if self.setting is None:
@@ -177,8 +178,11 @@ class DeviceSnapshots:
                 self.filled = torch.cuda.Event()
                 self.filled.record(torch.cuda.current_stream(dev))
         except torch.cuda.OutOfMemoryError:
+            # Each failed try has the caching allocator free every cached block and try again
+            # (a device-wide stall): a buffer this large is not tried again in this process.
+            self._failed[dev] = min(need, self._failed.get(dev, need))
             self._say(f"oom{need}", f"incluster: could not allocate the {need / GiB:.2f} GiB device-side "
-                      f"snapshot on cuda:{dev}; copying device-to-host directly")
+                      f"snapshot on cuda:{dev}; copying device-to-host directly (not tried again at this size)")
             return False
         log.info("incluster: device-side snapshot buffer of %.2f GiB on cuda:%d (gpu_snapshot=%s)",
                  need / GiB, dev, "auto" if self.setting is None else self.setting)
