@@ -258,3 +258,40 @@ def test_an_adopted_torn_staging_file_keeps_its_number_and_never_shares_a_file(t
     assert sorted(os.listdir(folder)) == sorted([".staging-0", ".staging-1", step_file(6), sidecar_file(6)])
     assert (folder / ".staging-0").read_bytes() == b"torn" * 16  # not overwritten by step 5's file
     ring.close()
+
+
+def test_retention_leaves_alone_a_slot_the_staging_thread_maps_ahead(local_dir, monkeypatch):
+    """After a restart the slot the next save takes is mapped (and page-locked on a GPU)
+    ahead, on the staging thread, while the writer's replies run retention. Retention
+    retired that very slot under the mapping - its file closed (its fd number free for
+    another file to take) and unmapped while being mapped or page-locked. It waits now:
+    the slot is retired at the next retention, after the mapping."""
+    from incluster.staging.engine import Stager
+
+    folder = os.path.join(local_dir, "rank-00000")
+    os.makedirs(folder)
+    for step in (1, 2, 3):
+        with open(os.path.join(folder, step_file(step)), "wb") as f:
+            f.write(b"x" * 4096)
+        open(os.path.join(folder, sidecar_file(step)), "w").close()
+    ring = SlotRing(folder, keep=2)  # a restart: slots hold steps 2 and 3, unmapped
+    stager = Stager.__new__(Stager)
+    stager.ring, stager.pin = ring, False
+    ahead = ring.next_taken(4096)
+    assert ahead is not None and ahead.step == 2
+    open(os.path.join(folder, sidecar_file(4)), "w").close()  # step 4 committed meanwhile: 2 is past retention
+    real = ring.prepare
+
+    def prepare_while_retention_runs(slot, size):  # the writer's reply lands half way through the mapping
+        ring.drop_unheld(4)
+        return real(slot, size)
+
+    monkeypatch.setattr(ring, "prepare", prepare_while_retention_runs)
+    stager.map_ahead(ahead, 4096)
+    assert ahead.state is SlotState.COMMITTED and ahead.step == 2 and ahead.buf is not None and ahead.fd >= 0
+    assert bytes(ahead.buf[:4]) == b"xxxx"  # step 2's own file, mapped
+    monkeypatch.setattr(ring, "prepare", real)
+    ring.drop_unheld(4)  # the next retention retires it
+    assert ahead.state is SlotState.FREE and ahead.buf is None
+    assert not os.path.exists(os.path.join(folder, step_file(2)))
+    ring.close()

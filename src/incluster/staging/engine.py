@@ -339,12 +339,16 @@ class Stager:
 
     def map_ahead(self, slot: Slot, size: int) -> None:
         """Map (and page-lock when ``pin``) a slot still holding a committed step at its own
-        size: no byte of it is written; the save that takes it writes its header."""
-        self.ring.prepare(slot, size)
-        if self.pin:
-            from incluster.staging import cuda
+        size: no byte of it is written; the save that takes it writes its header. Retention
+        on another thread leaves it alone meanwhile (``warming``, set by ``next_taken``)."""
+        try:
+            self.ring.prepare(slot, size)
+            if self.pin:
+                from incluster.staging import cuda
 
-            cuda.register(slot, self.cuda_device)
+                cuda.register(slot, self.cuda_device)
+        finally:
+            self.ring.warmed(slot)
 
     def _devices(self) -> Any:
         if self._device is None:

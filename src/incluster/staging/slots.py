@@ -73,6 +73,7 @@ class Slot:
     pinned: bool = False  # mapping registered with CUDA as page-locked memory
     pinned_on: int | None = None  # the GPU whose context registered it
     uploading: bool = False  # the persistent tier is reading it: never reused meanwhile
+    warming: bool = False  # being mapped ahead on the staging thread (next_taken): not retired meanwhile
 
     def unmap(self) -> None:
         self.views = []
@@ -264,7 +265,15 @@ class SlotRing(SlotFiles):
             except OSError:
                 return None
             s.fd = fd
-            return s if os.fstat(fd).st_size == size else None
+            if os.fstat(fd).st_size != size:
+                return None
+            s.warming = True  # until warmed(): retention must not close its file or unmap it under the mapping
+            return s
+
+    def warmed(self, slot: Slot) -> None:
+        """The staging thread is done mapping ``slot`` ahead (see :meth:`next_taken`)."""
+        with self._cond:
+            slot.warming = False
 
     def newest_step(self) -> int:
         """The newest step a slot holds (saved, or being saved), -1 when none: save() takes only newer."""
@@ -516,7 +525,7 @@ class SlotRing(SlotFiles):
             kept = set(sorted(s for s in recorded if s <= newest)[-self.keep :])
             for s in self.slots:
                 if (s.state is SlotState.COMMITTED and s.step is not None and s.step < newest
-                        and s.step not in kept and not s.uploading):
+                        and s.step not in kept and not s.uploading and not s.warming):
                     self._retire(s)
             held = {s.step for s in self.slots if s.step is not None and s.state is not SlotState.FREE}
             for name in names:
