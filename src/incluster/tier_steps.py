@@ -152,8 +152,8 @@ class TierSteps:
         Nothing, once another run took the job over (:meth:`_fence`)."""
         self._fence(f"retention after step {newest} deletes nothing")
         sweep = getattr(self.tier, "sweep_partial", None)
-        if sweep is not None:  # RUN.json's (its step folders' go with them)
-            sweep(self.job)
+        if sweep is not None:  # RUN.json's (its step folders' go with them), older than this run's claim
+            sweep(self.job, f"{self.job}/{OWNER}")
         kept = [s for s in manifested_steps(self.tier, self.job) if s <= newest][: keep]
         if not kept:
             return

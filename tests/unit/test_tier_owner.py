@@ -121,7 +121,8 @@ def test_a_leftover_runs_rollback_does_not_set_the_later_runs_steps_aside(tmp_pa
 def test_a_half_written_owner_record_a_killed_run_left_is_swept(local_dir, tmp_path):
     """A run killed while it wrote RUN.json left RUN.json.tmp-PID in the tier for good (no
     later run removed it, and nothing listed it). One older than a live write could be
-    goes at the next retention; a fresh one - maybe another run's write under way - stays."""
+    goes at the next retention; a fresh one - maybe another run's write under way - stays.
+    Age is taken against the owner record's time, both the file server's clock."""
     root = str(tmp_path / "persist")
     os.makedirs(os.path.join(root, "p"), mode=0o700)
     stale, fresh = (os.path.join(root, "p", f"RUN.json.tmp-{pid}") for pid in (4029, 4030))

@@ -21,7 +21,7 @@ from typing import Any
 from incluster.errors import CheckpointError, CorruptCheckpointError, TierUnavailableError
 
 CHUNK = 16 * 1024 * 1024
-STALE_TMP_S = 600.0  # a half-written file this old was left by a killed process (sweep_partial)
+STALE_TMP_S = 600.0  # a half-written file this much older than the owner record was left by a killed process
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 # S3: the root's first component is a bucket, and s3fs's makedirs creates a missing one,
 # so a mistyped name would quietly take every checkpoint. (gcsfs answers a bucket lookup
@@ -281,18 +281,23 @@ class FsspecTier:
             return []
         return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
 
-    def sweep_partial(self, prefix: str, age_s: float = STALE_TMP_S) -> int:
+    def sweep_partial(self, prefix: str, than: str, age_s: float = STALE_TMP_S) -> int:
         """Remove the half-written files (``*.tmp-PID``) directly under ``prefix`` older
-        than ``age_s``: left by a process killed while it wrote (a live write takes far
-        less). Only a path tier has them (an object store writes whole objects). Returns
-        how many went."""
+        than the file ``than`` by ``age_s``: left by a process killed while it wrote (a
+        live write takes far less). Both times are the file server's (a shared tier's
+        clock need not be this host's). Only a path tier has them (an object store writes
+        whole objects). Returns how many went."""
         if not self.posix:
+            return 0
+        try:
+            now = os.stat(self._p(than)).st_mtime
+        except FileNotFoundError:
             return 0
         gone = 0
         for name in self.list(prefix):
             full = posixpath.join(self._p(prefix), name)
             try:
-                if ".tmp-" in name and time.time() - os.stat(full).st_mtime > age_s:
+                if ".tmp-" in name and now - os.stat(full).st_mtime > age_s:
                     os.unlink(full)
                     gone += 1
             except FileNotFoundError:
