@@ -10,6 +10,7 @@ Mixin of :class:`~incluster.checkpointer.Checkpointer`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -36,11 +37,22 @@ class ErrorReports:
         """Block until every save so far has settled; raise the first background error
         (not another rank's failure, nor a step given up for a newer one while the writer
         started, once a newer step is durable: their handles say why)."""
-        with self._api_call("wait()", lock=False):  # not serialised with save(): only marked
-            self._wait(timeout)
+        self._wait(timeout, mark=True)
 
-    def _wait(self, timeout: float | None = None) -> None:
-        with self._lock:
+    def _locked(self, mark: bool) -> Any:
+        """``self._lock``; with ``mark`` (a public wait()), this thread is marked as inside
+        wait() while it holds it, so a signal handler's save() there is refused instead of
+        deadlocking on it. Only then: a handler's save() while wait() blocks on a save's
+        outcome (a preemption during the run's last wait) is the save it means to make."""
+        if not mark:
+            return self._lock
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._api_call("wait()", lock=False))
+        stack.enter_context(self._lock)
+        return stack
+
+    def _wait(self, timeout: float | None = None, mark: bool = False) -> None:
+        with self._locked(mark):
             pending = [h for h in self._pending if not h.reported]  # each error reaches the caller once
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.slot_timeout_s)
         for h in pending:
@@ -50,9 +62,9 @@ class ErrorReports:
                 raise PeerTimeoutError(f"step {h.step} did not become durable in time{self._why_late()}") from None
             except BaseException:
                 pass  # collected in self._errors, raised below
-        with self._lock:
+        with self._locked(mark):
             self._pending = [h for h in self._pending if not h.durable.done()]
-        self._raise_errors()
+        self._raise_errors(mark=mark)
 
     def _why_late(self) -> str:
         """What a save not durable in time may wait for, for its error."""
@@ -73,14 +85,14 @@ class ErrorReports:
             return ": this rank's writer is answering; another rank, or a replication partner, has not committed it"
         return ""
 
-    def _raise_errors(self, peers: bool = True) -> None:
+    def _raise_errors(self, peers: bool = True, mark: bool = False) -> None:
         """Raise the first background error not raised yet, the later ones named in a note
         (each raised once: two failed saves refused two later save() calls before). ``peers=False`` (save()) keeps
         other ranks' failures for wait(): raised by save(), such an error would fail this
         rank's new step too, which the other ranks would then raise at their next save(),
         and so on - no step saved again."""
         newest = self.ring.newest_global
-        with self._lock:
+        with self._locked(mark):
             # Another rank's failure of a step older than one durable since: logged when it
             # happened, superseded now (close() would raise it hours later otherwise).
             kept = [e for e in self._errors if not (_from_peer(e[1]) and newest is not None and e[0].step < newest)]

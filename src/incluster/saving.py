@@ -57,6 +57,14 @@ def _sidecar_of(folder: str, step: int, job: StageJob) -> bool:
     return job.layout is not None and sc.fingerprint == job.layout.fingerprint and sc.checksum.size == job.layout.total_size
 
 
+def _cause_of(text: str) -> str:
+    """What a failure says, its step numbers left out; a partner's writer gone for good is
+    one cause however it was found (its own refused save, or the replica exchange)."""
+    m = (re.search(r"rank \[(\d+)\]'s " + PARTNER_GONE, text)
+         or re.search(r"save\(\) raised on rank (\d+): WriterProcessDied", text))
+    return f"writer of rank {m.group(1)} gone" if m else re.sub(r"\bsteps? \d+", "step", text)
+
+
 def own_error(err: BaseException, step: int) -> BaseException:
     """``err`` for step ``step`` alone: one error shared by several steps (a writer's death
     fails every save it held) is copied for each after the first, so a note added to one
@@ -102,7 +110,7 @@ class SavePipeline(WriterKeeping):
     _given_up: bool  # some step was (here or on another rank): its upload may be the one the tier lacks
     _writer_params: WriterParams
     _peer_cause: str | None = None  # the last other rank's failure warned of (its step numbers left out)
-    _peer_repeats = 0  # how many steps in a row failed for it since
+    _peer_repeats = 0  # how many steps in a row failed for it since (a durable step ends the run)
     _shrunk_to: int | None  # the fewest slots the ring was cut to for want of room (the user was told)
     _closed: bool
     _stage_pool: Any
@@ -217,6 +225,7 @@ class SavePipeline(WriterKeeping):
         handle.durable_s = time.perf_counter() - handle.started
         if self.world_size > 1:
             self.events.record(ev.DURABLE, step=job.step, tier="global", seconds=handle.durable_s)
+        self._peer_cause = None  # a durable step ends a run of failures: the next one is warned of again
         handle.durable.set_result(None)
 
     def _outcome_unknown(self, job: StageJob, handle: SaveHandle, exc: BaseException) -> None:
@@ -358,15 +367,16 @@ class SavePipeline(WriterKeeping):
 
     def _say_peer_failure(self, err: BaseException) -> None:
         """Warn of a step another rank failed; the same cause for the next steps (a rank
-        that saves no more fails every later step) is said once more, then at INFO."""
-        cause = re.sub(r"\bsteps? \d+", "step", str(err))
+        that saves no more fails every later step) is said once more, then at INFO until a
+        step is durable again."""
+        cause = _cause_of(str(err))
         repeats = self._peer_repeats + 1 if cause == self._peer_cause else 0
         self._peer_cause, self._peer_repeats = cause, repeats
         if repeats == 0:
             log.warning("incluster: rank %d: %s", self.rank, err)
         elif repeats == 1:
             log.warning("incluster: rank %d: %s (as the step before; later steps failed for this reason are "
-                        "logged at INFO, and wait() and their handles still raise)", self.rank, err)
+                        "logged at INFO until a step is durable again; wait() and their handles still raise)", self.rank, err)
         else:
             log.info("incluster: rank %d: %s", self.rank, err)
 

@@ -151,16 +151,17 @@ class TierSteps:
         """Keep the newest ``keep`` manifested steps up to ``newest``; delete everything older.
         Nothing, once another run took the job over (:meth:`_fence`)."""
         self._fence(f"retention after step {newest} deletes nothing")
-        sweep = getattr(self.tier, "sweep_partial", None)
-        if sweep is not None:  # RUN.json's (its step folders' go with them), older than this run's claim
-            sweep(self.job, f"{self.job}/{OWNER}")
         kept = [s for s in manifested_steps(self.tier, self.job) if s <= newest][: keep]
-        if not kept:
-            return
-        for name in self.tier.list(self.job):
+        for name in self.tier.list(self.job) if kept else ():
             m = STEP_FOLDER.match(name)
             if m and int(m.group(1)) < min(kept):
                 self.tier.delete(f"{self.job}/{name}")
+        sweep = getattr(self.tier, "sweep_partial", None)
+        if sweep is not None:  # RUN.json's (its step folders' go with them), older than this run's claim
+            try:
+                sweep(self.job, f"{self.job}/{OWNER}")
+            except Exception as exc:  # noqa: BLE001 - tidying only: never retention's failure
+                log.info("incluster: could not sweep half-written files in %s: %s", self.job, exc)
 
 
 def owner_record(tier: Any, job: str) -> dict[str, Any] | None:

@@ -37,6 +37,7 @@ class WriterKeeping:
     _uploaded = False  # a step of this run reached the persistent tier (a new writer keeps the job's record)
     _closed: bool
     _stage_pool: Any
+    _restarting = False  # _live_writer is starting a successor
 
     _persisted: Callable[..., None]  # SavePipeline's: an upload's outcome (here: one the dead writer left)
     def _writer_died(self) -> None:
@@ -71,6 +72,7 @@ class WriterKeeping:
             if gone is not None:
                 raise gone
             self._writer_restarts += 1
+            self._restarting = True  # the last restart is under way: not gone yet (_writer_gone)
             with self._lock:
                 uploads = list(self._uploads)
             for timeline, step in uploads:  # their slots must not stay pinned for an upload that is gone
@@ -93,6 +95,8 @@ class WriterKeeping:
                 done = self._writer_restarts >= MAX_WRITER_RESTARTS
                 self._announce("gone" if done else f"restarting {self._writer_restarts + 1}")
                 raise
+            finally:
+                self._restarting = False
             old.close(1.0)
             for folder, step in getattr(old, "unsent_replicates", ()):  # a restored step's replicas
                 self._writer.replicate(folder, step)
@@ -124,8 +128,8 @@ class WriterKeeping:
     def _writer_gone(self) -> WriterProcessDied | None:
         """Why this rank saves no more: its writer died after its last restart; else None."""
         dead = getattr(self._writer, "dead", None)
-        if dead is None or self._writer_restarts < MAX_WRITER_RESTARTS:
-            return None
+        if dead is None or self._writer_restarts < MAX_WRITER_RESTARTS or self._restarting:
+            return None  # alive, or its last successor is starting (the dead one is still self._writer)
         return WriterProcessDied(
             f"{dead}. It was started again {self._writer_restarts} times in this job and is not "
             f"started again: look for what kills it (its stderr, the kernel log: out of memory?), "

@@ -114,7 +114,7 @@ def test_load_dcp_fills_an_empty_dict_with_lists_as_lists(tmp_path):
     """A list under an empty dict came back as a dict with int keys holding None beside str
     keys holding the values (a Lightning export's ``lr_schedulers`` read that way)."""
     saved = {"scheds": [{"last_epoch": 7, "lrs": [0.1, 0.2]}, {"last_epoch": 3, "lrs": []}],
-             "w": [torch.arange(3.0), {"b": torch.ones(2)}], "n": 5}
+             "w": [torch.arange(3.0), {"b": torch.ones(2)}], "n": 5, "gaps": [{}, {"c": torch.ones(1)}, None, []]}
     path = str(tmp_path / "lists")
     dcp.save({"extra": saved}, checkpoint_id=path)
     live: dict = {"extra": {}}
@@ -123,6 +123,11 @@ def test_load_dcp_fills_an_empty_dict_with_lists_as_lists(tmp_path):
     assert got["scheds"] == saved["scheds"] and got["n"] == 5, got
     assert isinstance(got["w"], list) and torch.equal(got["w"][0], saved["w"][0]), got
     assert torch.equal(got["w"][1]["b"], torch.ones(2)), got
+    # an empty dict in a list: DCP stores no key for it, and dcp.load refused it even in the saved structure
+    assert got["gaps"][0] == {} and torch.equal(got["gaps"][1]["c"], torch.ones(1)) and got["gaps"][2:] == [None, []]
+    same = {"extra": {**saved, "gaps": [{}, {"c": torch.zeros(1)}, None, []]}}
+    load_dcp(same, path)
+    assert torch.equal(same["extra"]["gaps"][1]["c"], torch.ones(1))
 
 
 def test_load_dcp_names_what_does_not_match(tmp_path):

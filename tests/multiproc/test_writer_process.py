@@ -429,6 +429,38 @@ def test_a_writer_that_keeps_dying_is_started_again_only_so_often(local_dir):
         assert ck.load(target) == 1 and torch.equal(target["w"], torch.ones(10))
 
 
+def test_saves_made_while_the_last_restart_starts_its_writer_are_not_refused(local_dir, monkeypatch):
+    """The restart count went up before the successor existed: while the third (last)
+    successor started, every save() raised "started again 3 times ... not started again"
+    and the other ranks were told this rank was gone - then the new writer came up and
+    saved on."""
+    from incluster import writer_keeping
+    from incluster.saving import MAX_WRITER_RESTARTS
+
+    spawner = writer_keeping.writer_spawner()
+    started = threading.Event()
+
+    class Slow:
+        def submit(self, *a, **k):
+            started.set()
+            time.sleep(1.5)  # a fresh interpreter on a busy node
+            return spawner.submit(*a, **k)
+
+    with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait()
+        for _ in range(MAX_WRITER_RESTARTS - 1):
+            pid = ck.writer_pid
+            os.kill(pid, signal.SIGKILL)
+            _wait_for_new_writer(ck, pid)
+        monkeypatch.setattr(writer_keeping, "writer_spawner", lambda: Slow())
+        os.kill(ck.writer_pid, signal.SIGKILL)
+        assert started.wait(30)
+        h = ck.save(2, {"w": torch.full((10,), 2.0)})  # during the last restart: waits for it
+        h.wait(60)
+        target = {"w": torch.zeros(10)}
+        assert ck.load(target) == 2 and torch.equal(target["w"], torch.full((10,), 2.0))
+
+
 def test_no_free_slot_times_out_and_keeps_the_newest_step(local_dir, monkeypatch):
     marker_dir = os.path.join(local_dir, "m")
     os.makedirs(marker_dir)

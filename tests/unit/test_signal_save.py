@@ -5,7 +5,9 @@ works; the interrupted save and the run go on."""
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 
 import pytest
@@ -59,7 +61,7 @@ def test_a_save_from_a_handler_that_interrupted_save_is_refused_not_deadlocked(l
 def test_a_save_from_a_handler_that_interrupted_load_or_wait_is_refused(local_dir, monkeypatch, inside):
     """Inside load(), the handler's save() took a half-restored state (part of the tensors
     restored, part not) and saved it as a new step - a torn state a restart would load;
-    inside wait(), it could deadlock on the lock wait() held. Refused at once; the
+    inside wait() while it holds its lock, it deadlocked on it. Refused at once; the
     interrupted call ends as it would have."""
     from incluster import loading
 
@@ -91,7 +93,7 @@ def test_a_save_from_a_handler_that_interrupted_load_or_wait_is_refused(local_di
         else:
             assert ck.load(live) == 1
             ck.save(2, live)
-            monkeypatch.setattr(ck, "_raise_errors", lambda *a: (signal.raise_signal(signal.SIGUSR1), None)[1])
+            monkeypatch.setattr(ck, "_lock", _SignalledLock(ck._lock))  # the signal lands under the lock
             ck.wait()
         assert len(said) == 1 and f"save() was called inside {inside}() on the same thread" in said[0], said
         assert torch.equal(live["w"], saved["w"]) and torch.equal(live["v"], saved["v"])
@@ -103,6 +105,59 @@ def test_a_save_from_a_handler_that_interrupted_load_or_wait_is_refused(local_di
     with incluster.Checkpointer(local_dir=local_dir, job="sig3", writer="thread") as again:
         back = {"w": torch.zeros(1000), "v": torch.zeros(500)}
         assert again.load(back) == 8 and torch.equal(back["w"], saved["w"])
+
+
+class _SignalledLock:
+    """A lock that raises SIGUSR1 (once) just after it is taken: the signal lands while
+    the holder is inside its locked section."""
+
+    def __init__(self, lock) -> None:
+        self._lock, self._fired = lock, False
+
+    def __enter__(self):
+        self._lock.acquire()
+        if not self._fired and threading.current_thread() is threading.main_thread():
+            self._fired = True
+            signal.raise_signal(signal.SIGUSR1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+def test_a_handler_that_interrupts_a_wait_blocked_on_a_saves_outcome_still_saves(local_dir, monkeypatch):
+    """The common preemption: SIGTERM while the loop waits (its periodic or final
+    wait()) for a save's outcome. Nothing is held there, so the handler's last save
+    goes through and a restart loads it."""
+    from incluster.staging.engine import Stager
+
+    run = Stager.run
+
+    def slow(self, job):  # the save stays in flight while wait() blocks on it
+        time.sleep(0.6)
+        return run(self, job)
+
+    monkeypatch.setattr(Stager, "run", slow)
+    state = {"w": torch.arange(100.0)}
+    ck = incluster.Checkpointer(local_dir=local_dir, job="sig4", writer="thread", slot_timeout_s=20)
+    done: list[int] = []
+
+    def handler(*_):
+        ck.save(2, {"w": state["w"] + 1}).wait(30)
+        done.append(2)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        ck.save(1, state)
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        ck.wait(30)  # interrupted by the handler, then goes on
+        assert done == [2]
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        ck.close()
+    with incluster.Checkpointer(local_dir=local_dir, job="sig4", writer="thread") as again:
+        back = {"w": torch.zeros(100)}
+        assert again.load(back) == 2 and torch.equal(back["w"], state["w"] + 1)
 
 
 def test_a_handler_outside_any_save_still_saves(local_dir):

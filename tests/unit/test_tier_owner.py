@@ -130,9 +130,12 @@ def test_a_half_written_owner_record_a_killed_run_left_is_swept(local_dir, tmp_p
         with open(path, "w") as f:
             f.write('{"run": "cut sho')
     os.utime(stale, (1e9, 1e9))
+    odd = os.path.join(root, "p", "export.tmp-7")  # not a file write() makes: never touched, nor in the way
+    os.makedirs(odd)
+    os.utime(odd, (1e9, 1e9))
     with incluster.Checkpointer(local_dir=local_dir, job="p", writer="thread", persistent=root,
-                                persistent_every=1) as ck:
-        for step in (1, 2):
+                                persistent_every=1, persistent_keep=2) as ck:
+        for step in (1, 2, 3):
             assert ck.save(step, _state(float(step))).persisted.result(60)
-    assert not os.path.exists(stale) and os.path.exists(fresh)
-    assert _manifests(root) == [1, 2]
+    assert not os.path.exists(stale) and os.path.exists(fresh) and os.path.isdir(odd)
+    assert _manifests(root) == [2, 3]  # retention went on

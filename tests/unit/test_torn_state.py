@@ -207,7 +207,7 @@ def test_two_views_of_one_tensor_in_a_plain_dict_both_keep_their_save_time_value
         _assert_shard_is(ck.folder, 1, expected)
 
 
-@pytest.mark.parametrize("change", ["load_state_dict", "param.data"])
+@pytest.mark.parametrize("change", ["load_state_dict", "param.data", "state_moved"])
 def test_a_tensor_an_optimizer_let_go_of_is_copied_at_save_time(local_dir, slow_staging, change):
     """The pointers only a step changes were cached per optimizer, keyed by the counts of
     its state and parameters: after ``opt.load_state_dict`` (new state tensors) or a
@@ -223,9 +223,14 @@ def test_a_tensor_an_optimizer_let_go_of_is_copied_at_save_time(local_dir, slow_
         if change == "load_state_dict":
             let_go = o.state[first]["exp_avg"]
             o.load_state_dict(copy.deepcopy(o.state_dict()))
-        else:
+        elif change == "param.data":
             let_go = first.data
             first.data = first.data.clone()
+        else:  # an offload and back, in place: the same dicts, new tensors
+            let_go = o.state[first]["exp_avg"]
+            for st in o.state.values():
+                for k, v in list(st.items()):
+                    st[k] = v.clone()
         state = {"model": m, "optim": o, "extra": {"ema": let_go}}
         expected = {"extra": {"ema": let_go.clone()}}
         h = ck.save(2, state)

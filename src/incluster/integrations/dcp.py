@@ -64,10 +64,12 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
     DCP loads only into keys the live state already has; an empty ``{"extra": {}}`` would
     come back empty, silently. incluster's own ``load`` fills such containers, so this does
     too: tensors as empty tensors of the stored shape and dtype, other values as None, at
-    the paths DCP recorded (``planner_data``)."""
+    the paths DCP recorded (``planner_data``). A list position no key names held an empty
+    container (DCP stores nothing for one): it comes back as ``{}``."""
     paths = getattr(meta, "planner_data", None)
     if not isinstance(paths, dict):
         return
+    gaps: list[list[Any]] = []  # lists made here: their unnamed positions become {} at the end
     for fqn, item in meta.state_dict_metadata.items():
         path = paths.get(fqn)
         if not isinstance(path, tuple) or len(path) < 2 or not isinstance(state.get(path[0]), dict):
@@ -78,16 +80,23 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
         for i, part in enumerate(path[1:], 1):  # an int part is a list index (DCP flattens lists so)
             last = i == len(path) - 1
             made: Any = leaf if last else ([] if isinstance(path[i + 1], int) else {})
+            if isinstance(made, list):
+                gaps.append(made)
             if isinstance(node, dict) and not isinstance(part, int):
                 if part not in node:
                     node[part] = made
             elif isinstance(node, list) and isinstance(part, int):
-                node.extend([None] * (part + 1 - len(node)))
-                if node[part] is None:
+                node.extend([_GAP] * (part + 1 - len(node)))
+                if node[part] is _GAP:
                     node[part] = made
             else:
                 break  # the live state has another shape here: DCP loads what fits, as it would
             node = node[part]
+    for made in gaps:
+        made[:] = [{} if v is _GAP else v for v in made]
+
+
+_GAP = object()  # a list position no stored key has reached (yet)
 
 
 def _noting_planner(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> Any:
@@ -96,6 +105,17 @@ def _noting_planner(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> Any:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class Noting(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            # An empty dict or list the checkpoint has no key for holds nothing to load; DCP
+            # stores none for one inside a list, yet refused it at load ("Missing key
+            # extra.l.0"), even in the very structure it saved.
+            stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
+            mappings = getattr(self, "mappings", {})
+            for fqn in [k for k in self.state_dict if k not in stored and k in mappings]:
+                if _empty_container(self.original_state_dict, mappings[fqn]):
+                    del self.state_dict[fqn]
+            return super().create_local_plan()
+
         def resolve_tensor(self, read_item: Any) -> torch.Tensor:
             dest = super().resolve_tensor(read_item)
             fqn = read_item.dest_index.fqn
@@ -106,6 +126,17 @@ def _noting_planner(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> Any:
             return dest  # type: ignore[no-any-return]
 
     return Noting()
+
+
+def _empty_container(root: Any, path: tuple[Any, ...]) -> bool:
+    """Whether ``path`` (DCP's, keys and list indices) leads to an empty dict or list."""
+    node = root
+    for part in path:
+        try:
+            node = node[part] if isinstance(node, (list, tuple)) or part in node else node[str(part)]
+        except (KeyError, IndexError, TypeError):
+            return False
+    return isinstance(node, (Mapping, list)) and not node
 
 
 def _lossy(saved: torch.dtype, live: torch.dtype) -> bool:

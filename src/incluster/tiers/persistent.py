@@ -21,6 +21,7 @@ from typing import Any
 from incluster.errors import CheckpointError, CorruptCheckpointError, TierUnavailableError
 
 CHUNK = 16 * 1024 * 1024
+_PARTIAL = re.compile(r"\.tmp-\d+$")  # write()'s name for a file being written
 STALE_TMP_S = 600.0  # a half-written file this much older than the owner record was left by a killed process
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 # S3: the root's first component is a bucket, and s3fs's makedirs creates a missing one,
@@ -295,13 +296,16 @@ class FsspecTier:
             return 0
         gone = 0
         for name in self.list(prefix):
+            if not _PARTIAL.search(name):
+                continue
             full = posixpath.join(self._p(prefix), name)
             try:
-                if ".tmp-" in name and now - os.stat(full).st_mtime > age_s:
+                st = os.lstat(full)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime > age_s:
                     os.unlink(full)
                     gone += 1
-            except FileNotFoundError:
-                pass  # another run swept it first
+            except OSError:  # swept by another run first, or not this process's to remove
+                pass
         return gone
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
