@@ -9,17 +9,22 @@ a :class:`~incluster.errors.StoreLostError` naming the store and what it means. 
 whose connection broke fails its later calls at once (each failed try logs a backtrace),
 and for ``LOST_S`` after a broken or refused connection new clients of that address fail
 at once too, unless one connects meanwhile. A timeout is never taken for a lost store.
+A new client first tries a plain TCP connect: refused, the store is gone at once
+(TCPStore itself retries a refused connect for its whole timeout - 60 s for a writer -
+then says it "timed out", so a writer started after rank 0 died stalled every save).
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from typing import Any
 
 from incluster.errors import StoreLostError
 
 LOST_S = 60.0  # how long new clients of a store found gone fail at once
+PROBE_S = 2.0  # a plain connect's timeout before each new client (a refused one: the store is gone)
 _lost: dict[tuple[str, int], tuple[str, float]] = {}
 _GONE = ("broken pipe", "connection reset", "got 0 bytes", "connection refused", "connection was likely closed")
 
@@ -31,6 +36,9 @@ def connect(host: str, port: int, timeout_s: float) -> "LostAware":
     known = _lost.get((host, port))
     if known is not None and time.monotonic() - known[1] < LOST_S:
         raise StoreLostError(known[0])
+    refused = _refused(host, port)
+    if refused is not None:  # TCPStore would retry a refused connect for its whole timeout, then say "timed out"
+        raise StoreLostError(_why(host, port, refused)) from None
     try:
         store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False)
@@ -40,6 +48,19 @@ def connect(host: str, port: int, timeout_s: float) -> "LostAware":
         raise
     _lost.pop((host, port), None)  # it answers again
     return LostAware(store, host, port)
+
+
+def _refused(host: str, port: int) -> OSError | None:
+    """The error of a plain TCP connect to the store when it was refused (nothing listens:
+    rank 0's process is gone - the store exists before any client of incluster's is made);
+    None when it connected, or could not tell (no answer: TCPStore's own timeout decides)."""
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_S):
+            return None
+    except ConnectionRefusedError as exc:
+        return exc
+    except OSError:
+        return None
 
 
 def note_lost(host: str, port: int, why: str) -> None:
