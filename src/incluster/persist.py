@@ -53,6 +53,7 @@ class PersistParams:
     timeout_s: float = 600.0
     run: str = ""  # rank 0's process's run id (commit.process_run), in the manifests: this run's own steps
     owned: bool = False  # a step of this run reached the tier before this writer started: it owns the job's record
+    trainer_pid: int = 0  # the training process (RUN.json names it: the writer's own pid is no process to stop)
 
 
 def fix_for(error: str, folder: str | None = None) -> str:
@@ -108,7 +109,7 @@ class Uploader:
         self.decisions = decisions or coord
         self._last_failure = ""  # the last upload failure warned of (steps as N): repeats go to INFO
         self.tier = open_tier(params.url, params.options)
-        self.steps = TierSteps(self.tier, params.job, params.run, params.owned)  # rank 0 opens steps, applies retention
+        self.steps = TierSteps(self.tier, params.job, params.run, params.owned, params.trainer_pid)  # rank 0 opens steps, applies retention
         self._folder = str(getattr(self.tier, "url", "")) if getattr(self.tier, "posix", False) else None
         # An object store's client retries on its own (botocore and s3fs: about 18 s for a
         # refused endpoint); retrying around it again multiplied that, so a store that was

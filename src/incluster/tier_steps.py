@@ -21,8 +21,9 @@ log = logging.getLogger("incluster")
 
 
 class TierSteps:
-    def __init__(self, tier: Any, job: str, run: str, owned: bool = False) -> None:
+    def __init__(self, tier: Any, job: str, run: str, owned: bool = False, pid: int = 0) -> None:
         self.tier = tier
+        self.pid = pid or os.getpid()  # the training process, which the owner record names
         self.job = job
         self.run = run  # this Checkpointer's run id: the manifests it wrote carry it
         self._newer_told = False  # the steps of a timeline not continued were named
@@ -103,7 +104,7 @@ class TierSteps:
         started: it still trains."""
         before = owner_record(self.tier, self.job)
         body = {"run": self.run, "began": self.began, "time": time.time(), "host": socket.gethostname(),
-                "pid": os.getpid()}
+                "pid": self.pid}
         self.tier.write(f"{self.job}/{OWNER}", memoryview(json.dumps(body).encode()))
         self._owned = self._recorded = True
         if before is None or before.get("run") == self.run:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -141,5 +142,5 @@ def persist_params(config: Config, rank: int, world_size: int, run: str) -> Pers
     return PersistParams(
         url=c.persistent, options=dict(c.persistent_options or {}), job=c.job, rank=rank,
         world_size=world_size, every=c.persistent_every, interval_s=c.persistent_interval_s,
-        keep=c.persistent_keep, timeout_s=c.slot_timeout_s, run=run,
+        keep=c.persistent_keep, timeout_s=c.slot_timeout_s, run=run, trainer_pid=os.getpid(),
     )

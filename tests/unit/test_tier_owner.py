@@ -139,3 +139,14 @@ def test_a_half_written_owner_record_a_killed_run_left_is_swept(local_dir, tmp_p
             assert ck.save(step, _state(float(step))).persisted.result(60)
     assert not os.path.exists(stale) and os.path.exists(fresh) and os.path.isdir(odd)
     assert _manifests(root) == [2, 3]  # retention went on
+
+
+def test_the_owner_record_names_the_training_process_not_its_writer(local_dir, tmp_path):
+    """The record (and the take-over messages quoting it) named the writer process that
+    uploads: stopping that pid only had the writer started again, the leftover trained on."""
+    root = str(tmp_path / "persist")
+    with incluster.Checkpointer(local_dir=local_dir, job="p", persistent=root, persistent_every=1) as ck:
+        assert ck.save(1, _state(1.0)).persisted.result(60)
+        writer = ck.writer_pid
+    owner = json.load(open(os.path.join(root, "p", "RUN.json")))
+    assert owner["pid"] == os.getpid() != writer, (owner, writer)

@@ -54,6 +54,7 @@ class CommitService:
         self.watch = self.coord if params.store is None else _coordinator(params)
         self._maps: dict[str, tuple[int, int, int, mmap.mmap, int]] = {}  # slot key -> (ino, size, fd, map, gen)
         self._maps_lock = threading.Lock()
+        self._unchecked: str | None = None  # the kind of error the sequence check last failed with (said once)
         self.on_unmap: Callable[[mmap.mmap], None] | None = None  # before a mapping is closed
         self._outcomes: list[int] = []  # the first two durable steps this writer saw
         # load() calls before the newest save this writer heard of: a step's keys in the job
@@ -152,8 +153,13 @@ class CommitService:
         except SkippedByOthers:
             return False
         except Exception as err:  # noqa: BLE001 - the store is gone: take part, as before
-            log.warning("incluster: rank %d could not check step %d against the other ranks' saves: %s",
-                        self.params.rank, step, err)
+            kind = type(err).__name__  # a lost store fails every later check alike: said once, then at INFO
+            (log.info if kind == self._unchecked else log.warning)(
+                "incluster: rank %d could not check step %d against the other ranks' saves: %s",
+                self.params.rank, step, err)
+            self._unchecked = kind
+            return True
+        self._unchecked = None
         return True
 
     def _timeline(self, timeline: int | None) -> int:
