@@ -130,7 +130,9 @@ def test_an_update_still_queued_on_the_gpu_at_save_is_in_the_checkpoint(local_di
     ~0.2 s sleep on the compute stream, nothing synchronized): the side-stream copies
     must wait for the work queued before save(), so the checkpoint holds the updated
     values. A BatchNorm buffer the next forward changes right after save() keeps its
-    save-time value (cloned on the compute stream, behind the update)."""
+    save-time value (cloned on the compute stream, behind the update). The loop runs on
+    a stream of its own: the event save() records there is all that orders the copies
+    (the default stream, which the staging thread's fallback would wait on, is idle)."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024),
                             torch.nn.Linear(1024, 1024)).cuda()
@@ -144,12 +146,14 @@ def test_an_update_still_queued_on_the_gpu_at_save_is_in_the_checkpoint(local_di
         flat = flatten(state)
         expected = {s.name: before[s.name] + 1 if t.data_ptr() in params else before[s.name]
                     for s, t in zip(flat.specs, flat.tensors)}
-        torch.cuda._sleep(DELAY)  # on the compute stream: the update below waits behind it
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(1.0)
-        h = ck.save(2, state)
-        m(torch.randn(64, 1024, device="cuda"))  # train-mode forward: BatchNorm's statistics change
+        compute = torch.cuda.Stream()
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(DELAY)  # the update below waits behind it on this stream
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(1.0)
+            h = ck.save(2, state)
+            m(torch.randn(64, 1024, device="cuda"))  # train-mode forward: BatchNorm's statistics change
         h.wait()
         assert ck.gpu_snapshot_active is (gpu_snapshot is None)
         _assert_shard(ck.folder, 2, expected)

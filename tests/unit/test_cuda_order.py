@@ -278,8 +278,8 @@ def test_page_locking_from_an_exit_hook_runs_inline(local_dir, cudart, monkeypat
 def test_a_snapshot_buffer_the_gpu_had_no_room_for_is_not_tried_again_at_every_save(monkeypatch):
     """With gpu_snapshot=<bytes> over what the GPU has free, the allocation failed at every
     save - each failure has torch's caching allocator free every cached block and retry, a
-    device-wide stall on the training GPU per save. Now tried once per size; a smaller
-    buffer (a smaller state) is still tried."""
+    device-wide stall on the training GPU per save. Now tried again only after RETRY_S;
+    a smaller buffer (a smaller state) is still tried."""
     import contextlib
 
     from incluster.staging import device_snapshot
@@ -302,3 +302,5 @@ def test_a_snapshot_buffer_the_gpu_had_no_room_for_is_not_tried_again_at_every_s
     assert not snaps._room(0, 4 << 20) and not snaps._room(0, 8 << 20)
     assert tried == [4 << 20]
     assert snaps._room(0, 1 << 19) and tried == [4 << 20, 1 << 19]  # smaller: tried, and it fits
+    monkeypatch.setattr(device_snapshot, "RETRY_S", 0.0)  # memory may have freed up since: tried again
+    assert not snaps._room(0, 4 << 20) and tried == [4 << 20, 1 << 19, 4 << 20]

@@ -183,7 +183,10 @@ class InclusterStrategyMixin:
         why = "Lightning's loop and data-loader positions and each rank's RNG are per process"
         self.incluster._refuse_resize = why  # refused before anything is restored, in these words
         self.incluster._left_out_ok = not fitting  # validate/test/predict: the optimizers are not wanted
-        step = self.incluster.load(state)
+        try:
+            step = self.incluster.load(state)
+        finally:
+            self.incluster._left_out_ok = False  # this load's alone
         refuse_resize(self.incluster, why)
         self.incluster_restored_step = step
         if not any(getattr(cb, "_incluster_saves", False) for cb in getattr(trainer, "callbacks", [])):

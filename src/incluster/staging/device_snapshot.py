@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ SMALL_CPU = 1 << 20  # CPU tensors up to this size are cloned at the start of st
 PIECE = env_int("INCLUSTER_DRAIN_PIECE_MIB", 16, 1, 4096) << 20
 WINDOW = env_int("INCLUSTER_DRAIN_WINDOW", 2, 1, 64)
 GiB = 2**30
+RETRY_S = 600.0  # a buffer the GPU had no room for is tried again this long after (memory may free up)
 
 
 @dataclass
@@ -117,7 +119,7 @@ class DeviceSnapshots:
         self.active = False
         self._plans: dict[str, Plan] = {}
         self._said: set[str] = set()
-        self._failed: dict[int, int] = {}  # device -> the smallest buffer its allocation failed for
+        self._failed: dict[int, tuple[int, float]] = {}  # device -> (smallest buffer it failed for, when)
 
     def plan(self, layout: Layout, tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> Plan | None:
         """The plan for this save, with the buffer allocated; None: copy directly."""
@@ -153,8 +155,9 @@ class DeviceSnapshots:
         """Make the buffer at least ``need`` bytes on ``dev`` if the budget allows."""
         if self.buf is not None and self.buf.get_device() == dev and self.buf.numel() >= need:
             return True
-        if self.setting == 0 or need >= self._failed.get(dev, need + 1):
-            return False  # off, or no more room than at the last try: not again (each try empties the cache)
+        failed, when = self._failed.get(dev, (need + 1, 0.0))
+        if self.setting == 0 or (need >= failed and time.monotonic() - when < RETRY_S):
+            return False  # off, or no more room than at the last try: not again soon (each try empties the cache)
         free, total = torch.cuda.mem_get_info(dev)
         have = self.buf.numel() if self.buf is not None and self.buf.get_device() == dev else 0
         if self.setting is None:
@@ -180,9 +183,9 @@ class DeviceSnapshots:
         except torch.cuda.OutOfMemoryError:
             # Each failed try has the caching allocator free every cached block and try again
             # (a device-wide stall): a buffer this large is not tried again in this process.
-            self._failed[dev] = min(need, self._failed.get(dev, need))
+            self._failed[dev] = (min(need, self._failed.get(dev, (need, 0.0))[0]), time.monotonic())
             self._say(f"oom{need}", f"incluster: could not allocate the {need / GiB:.2f} GiB device-side "
-                      f"snapshot on cuda:{dev}; copying device-to-host directly (not tried again at this size)")
+                      f"snapshot on cuda:{dev}; copying device-to-host directly (tried again in {RETRY_S / 60:.0f} min)")
             return False
         log.info("incluster: device-side snapshot buffer of %.2f GiB on cuda:%d (gpu_snapshot=%s)",
                  need / GiB, dev, "auto" if self.setting is None else self.setting)
