@@ -11,7 +11,9 @@ and for ``LOST_S`` after a broken or refused connection new clients of that addr
 at once too, unless one connects meanwhile. A timeout is never taken for a lost store.
 A new client first tries a plain TCP connect: refused, the store is gone at once
 (TCPStore itself retries a refused connect for its whole timeout - 60 s for a writer -
-then says it "timed out", so a writer started after rank 0 died stalled every save).
+then says it "timed out", so a writer started after rank 0 died stalled every save); it
+then connects in tries of ``TRY_S``, the plain connect again before each (the store may
+die between the two).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from typing import Any
 
 from incluster.errors import StoreLostError
 
+LOST_STORE = "lost the job store"  # how every such error begins (a writer that died of it is not started again)
 LOST_S = 60.0  # how long new clients of a store found gone fail at once
 PROBE_S = 2.0  # a plain connect's timeout before each new client (a refused one: the store is gone)
+TRY_S = 5.0  # a new client connects in tries this long, the plain connect before each
 _lost: dict[tuple[str, int], tuple[str, float]] = {}
 _GONE = ("broken pipe", "connection reset", "got 0 bytes", "connection refused", "connection was likely closed")
 
@@ -36,16 +40,23 @@ def connect(host: str, port: int, timeout_s: float) -> "LostAware":
     known = _lost.get((host, port))
     if known is not None and time.monotonic() - known[1] < LOST_S:
         raise StoreLostError(known[0])
-    refused = _refused(host, port)
-    if refused is not None:  # TCPStore would retry a refused connect for its whole timeout, then say "timed out"
-        raise StoreLostError(_why(host, port, refused)) from None
-    try:
-        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
-    except Exception as exc:
-        if _network(exc):
-            raise StoreLostError(_why(host, port, exc)) from None
-        raise
+    deadline = time.monotonic() + timeout_s
+    while True:  # TCPStore retries a refused connect for its whole timeout, then says "timed out": in short tries
+        refused = _refused(host, port)
+        if refused is not None:
+            raise StoreLostError(_why(host, port, refused)) from None
+        left = deadline - time.monotonic()
+        try:
+            store = TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=max(1.0, min(TRY_S, left))))
+            store.set_timeout(datetime.timedelta(seconds=timeout_s))  # its calls' timeout
+            break
+        except Exception as exc:
+            if _network(exc) and not _gone(exc) and left > TRY_S:
+                continue  # no answer within the try: is anything listening now?
+            if _network(exc):
+                raise StoreLostError(_why(host, port, exc)) from None
+            raise
     _lost.pop((host, port), None)  # it answers again
     return LostAware(store, host, port)
 
@@ -120,7 +131,7 @@ def _gone(exc: BaseException) -> bool:
 def _why(host: str, port: int, exc: BaseException) -> str:
     text = str(exc).strip()
     first = text.splitlines()[0][:160] if text else type(exc).__name__
-    why = (f"lost the job store (rank 0's, at {host}:{port}: {first}): rank 0's process ended or its node cannot "
+    why = (f"{LOST_STORE} (rank 0's, at {host}:{port}: {first}): rank 0's process ended or its node cannot "
            f"be reached, so no step can be durable until the job restarts")
     if _gone(exc):
         _lost[(host, port)] = (why, time.monotonic())

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from incluster.config import Config
 from incluster.errors import WriterProcessDied
+from incluster.store_client import LOST_STORE
 from incluster.replication import announce_writer
 from incluster.writer.base import Writer
 from incluster.writer.process import ProcessWriter, next_generation
@@ -128,6 +129,8 @@ class WriterKeeping:
     def _writer_gone(self) -> WriterProcessDied | None:
         """Why this rank saves no more: its writer died after its last restart; else None."""
         dead = getattr(self._writer, "dead", None)
+        if dead is not None and not self._restarting and LOST_STORE in str(dead):
+            return WriterProcessDied(f"{dead}. A new writer would find the job store gone too: none is started")
         if dead is None or self._writer_restarts < MAX_WRITER_RESTARTS or self._restarting:
             return None  # alive, or its last successor is starting (the dead one is still self._writer)
         return WriterProcessDied(
