@@ -171,6 +171,8 @@ class LoadPipeline:
             self._old_world = report.old_world
         if report.step is not None and only is not None and self.rank == 0:
             abandon_in_tier(ctx.persistent, self.config.job, report.step, self._run, self._began)
+        if report.step is None:
+            self._highest = self.ring.newest_step()  # started afresh: the never-complete copies are gone
         if report.step is not None:
             self.ring.reset_to(report.step)
             self._highest = self._restored = report.step

@@ -256,6 +256,9 @@ def test_a_crash_before_any_step_was_complete_starts_afresh_but_a_lost_node_is_n
         assert codes == [0, 0], [job.output(r)[-2000:] for r in range(2)]
         assert second[0]["loaded"] is None and second[1]["loaded"] is None, second
         assert "no step of job 'mp' was ever complete" in job.output(0), job.output(0)[-2000:]
+        # the new run saves those step numbers again: rank 0's never-complete copies of them are gone
+        # (it refused them as "not newer than step 4", and rank 1 waited slot_timeout_s for its shard)
+        assert second[0]["errors"] == {} and second[1]["errors"] == {}, second
     else:
         assert codes == [3, 3], codes  # load() raised
         assert all(res["load_error"][0] == "NoCheckpointError" and "rank(s) [1]" in res["load_error"][1]

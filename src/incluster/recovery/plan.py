@@ -46,6 +46,7 @@ class RankPlan:
     forward_send: tuple[tuple[int, int], ...] = ()  # (owner, to rank): send that owner's sidecar
     forward_recv: tuple[tuple[int, int, int, str], ...] = ()  # (owner, from rank, bytes of, from node)
     lineage: tuple[int, int, int] | None = None  # the timeline of the step's copies (recovery/lineage.py)
+    afresh: bool = False  # no step was ever complete: start afresh, dropping this node's copies of them
 
 
 @dataclass

@@ -143,7 +143,7 @@ def plan_round(
             log.warning("incluster: no step of job %r was ever complete: step(s) %s lack the shards of ranks whose "
                         "nodes still hold their folders (saves in flight at a crash, never durable); starting "
                         "afresh", ctx.job, sorted(plan.missing))
-            plans = [RankPlan(None) for _ in range(ctx.world_size)]
+            plans = [RankPlan(None, afresh=True) for _ in range(ctx.world_size)]
         elif plan.step is None and plan.missing:
             newest = max(plan.missing)
             old = plan.missing_world.get(newest)
