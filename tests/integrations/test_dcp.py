@@ -128,6 +128,26 @@ def test_load_dcp_fills_an_empty_dict_with_lists_as_lists(tmp_path):
     same = {"extra": {**saved, "gaps": [{}, {"c": torch.zeros(1)}, None, []]}}
     load_dcp(same, path)
     assert torch.equal(same["extra"]["gaps"][1]["c"], torch.ones(1))
+    shorter = {"extra": {**saved, "gaps": []}}  # a live list the filling extends
+    load_dcp(shorter, path)
+    assert shorter["extra"]["gaps"][0] == {} and torch.equal(shorter["extra"]["gaps"][1]["c"], torch.ones(1))
+
+
+def test_load_dcp_into_a_plain_optimizer_state_dict_loads_its_int_keyed_state(tmp_path):
+    """DCP names an optimizer state's int keys as their str(): the filling took "0" for a
+    missing key, added a str-keyed entry beside the live int-keyed one and DCP loaded into
+    that - the live moments stayed stale and load_state_dict() got junk keys."""
+    m, o = fresh()
+    train(m, o, range(2))
+    path = str(tmp_path / "optim")
+    dcp.save({"model": m.state_dict(), "optim": o.state_dict()}, checkpoint_id=path)
+    m2, o2 = fresh()
+    train(m2, o2, range(1))
+    live = {"model": m2.state_dict(), "optim": o2.state_dict()}
+    load_dcp(live, path)
+    assert sorted(live["optim"]["state"]) == sorted(o.state_dict()["state"]), live["optim"]["state"].keys()
+    for k, s in o.state_dict()["state"].items():
+        assert torch.equal(live["optim"]["state"][k]["exp_avg"], s["exp_avg"]), k
 
 
 def test_load_dcp_names_what_does_not_match(tmp_path):

@@ -65,11 +65,13 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
     come back empty, silently. incluster's own ``load`` fills such containers, so this does
     too: tensors as empty tensors of the stored shape and dtype, other values as None, at
     the paths DCP recorded (``planner_data``). A list position no key names held an empty
-    container (DCP stores nothing for one): it comes back as ``{}``."""
+    container (DCP stores nothing for one): it comes back as ``{}``. A path's key names a
+    dict's key as its ``str()`` (an optimizer's ``state`` is keyed 0, 1, ...)."""
     paths = getattr(meta, "planner_data", None)
     if not isinstance(paths, dict):
         return
-    gaps: list[list[Any]] = []  # lists made here: their unnamed positions become {} at the end
+    gaps: list[list[Any]] = []  # lists filled here: their unnamed positions become {} at the end
+    keys: dict[int, dict[str, Any]] = {}  # id of a dict -> its keys by str() (DCP's path names them so)
     for fqn, item in meta.state_dict_metadata.items():
         path = paths.get(fqn)
         if not isinstance(path, tuple) or len(path) < 2 or not isinstance(state.get(path[0]), dict):
@@ -83,10 +85,14 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
             if isinstance(made, list):
                 gaps.append(made)
             if isinstance(node, dict) and not isinstance(part, int):
+                part = _key_of(node, part, keys)
                 if part not in node:
                     node[part] = made
+                    keys.setdefault(id(node), {})[part] = part
             elif isinstance(node, list) and isinstance(part, int):
-                node.extend([_GAP] * (part + 1 - len(node)))
+                if part >= len(node):
+                    node.extend([_GAP] * (part + 1 - len(node)))
+                    gaps.append(node)
                 if node[part] is _GAP:
                     node[part] = made
             else:
@@ -97,6 +103,19 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
 
 
 _GAP = object()  # a list position no stored key has reached (yet)
+
+
+def _key_of(node: Mapping[Any, Any], part: str, keys: dict[int, dict[str, Any]] | None = None) -> Any:
+    """The key of ``node`` that DCP's path names ``part`` (its ``str()``), else ``part``;
+    ``keys``: the dicts' keys by ``str()``, kept across calls (one pass over each dict)."""
+    if part in node:
+        return part
+    index = None if keys is None else keys.get(id(node))
+    if index is None:
+        index = {str(k): k for k in node}
+        if keys is not None:
+            keys[id(node)] = index
+    return index.get(part, part)
 
 
 def _noting_planner(casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> Any:
@@ -133,7 +152,7 @@ def _empty_container(root: Any, path: tuple[Any, ...]) -> bool:
     node = root
     for part in path:
         try:
-            node = node[part] if isinstance(node, (list, tuple)) or part in node else node[str(part)]
+            node = node[part] if isinstance(node, (list, tuple)) else node[_key_of(node, part)]
         except (KeyError, IndexError, TypeError):
             return False
     return isinstance(node, (Mapping, list)) and not node
