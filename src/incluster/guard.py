@@ -84,11 +84,11 @@ class StepGuard:
             # tensors can be swapped in place (an offload: st[k] = v.to(...)). A stale entry
             # would take memory the optimizer let go of - reused for a plain tensor - as
             # guarded: not copied at save(), so changed under the copy. Every parameter's
-            # pointer is in the key; of the state, the first and last parameter's tensors
+            # pointer is in the key; of the state, the first and last entry's tensors
             # (all of them: ~1.4 ms per save for 2000 parameters, on the training thread).
             params = [p for g in opt.param_groups for p in g["params"]]
             key = (id(opt.state), len(opt.state), hash(tuple(map(torch.Tensor.data_ptr, params))),
-                   _sampled_state(opt, params))
+                   _sampled_state(opt))
             hit = self._cache.get(opt)
             if hit is None or hit[0] != key:
                 hit = (key, frozenset(optimizer_pointers(opt)))
@@ -101,11 +101,14 @@ class StepGuard:
         self._cache.clear()
 
 
-def _sampled_state(opt: torch.optim.Optimizer, params: list[Any]) -> int:
-    """A hash of the pointers of the first and last parameter's state tensors."""
+def _sampled_state(opt: torch.optim.Optimizer) -> int:
+    """A hash of the pointers of the first and last state entry's tensors (entries, not
+    parameters: a frozen first or last parameter has no state)."""
+    if not opt.state:
+        return 0
     ptrs: list[int] = []
-    for p in (params[0], params[-1]) if params else ():
-        ptrs += [t.data_ptr() for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+    for s in (next(iter(opt.state.values())), opt.state[next(reversed(opt.state))]):
+        ptrs += [t.data_ptr() for t in s.values() if isinstance(t, torch.Tensor)]
     return hash(tuple(ptrs))
 
 

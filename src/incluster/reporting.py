@@ -46,10 +46,10 @@ class ErrorReports:
         outcome (a preemption during the run's last wait) is the save it means to make."""
         if not mark:
             return self._lock
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._api_call("wait()", lock=False))
-        stack.enter_context(self._lock)
-        return stack
+        with contextlib.ExitStack() as stack:  # what was entered is left again if the next one raises
+            stack.enter_context(self._api_call("wait()", lock=False))
+            stack.enter_context(self._lock)
+            return stack.pop_all()
 
     def _wait(self, timeout: float | None = None, mark: bool = False) -> None:
         with self._locked(mark):

@@ -42,9 +42,9 @@ def connect(host: str, port: int, timeout_s: float) -> "LostAware":
         raise StoreLostError(known[0])
     deadline = time.monotonic() + timeout_s
     while True:  # TCPStore retries a refused connect for its whole timeout, then says "timed out": in short tries
-        refused = _refused(host, port)
-        if refused is not None:
-            raise StoreLostError(_why(host, port, refused)) from None
+        refused_by = refused(host, port)
+        if refused_by is not None:
+            raise StoreLostError(_why(host, port, refused_by)) from None
         left = deadline - time.monotonic()
         try:
             store = TCPStore(host, port, is_master=False, wait_for_workers=False,
@@ -52,8 +52,9 @@ def connect(host: str, port: int, timeout_s: float) -> "LostAware":
             store.set_timeout(datetime.timedelta(seconds=timeout_s))  # its calls' timeout
             break
         except Exception as exc:
-            if _network(exc) and not _gone(exc) and left > TRY_S:
-                continue  # no answer within the try: is anything listening now?
+            if _network(exc) and not _gone(exc) and deadline - time.monotonic() > 1.0:
+                time.sleep(0.1)
+                continue  # no answer within the try (TCPStore adds its own back-off): is anything listening now?
             if _network(exc):
                 raise StoreLostError(_why(host, port, exc)) from None
             raise
@@ -61,7 +62,7 @@ def connect(host: str, port: int, timeout_s: float) -> "LostAware":
     return LostAware(store, host, port)
 
 
-def _refused(host: str, port: int) -> OSError | None:
+def refused(host: str, port: int) -> OSError | None:
     """The error of a plain TCP connect to the store when it was refused (nothing listens:
     rank 0's process is gone - the store exists before any client of incluster's is made);
     None when it connected, or could not tell (no answer: TCPStore's own timeout decides)."""

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from incluster.config import Config
 from incluster.errors import WriterProcessDied
-from incluster.store_client import LOST_STORE
+from incluster.store_client import LOST_STORE, refused
 from incluster.replication import announce_writer
 from incluster.writer.base import Writer
 from incluster.writer.process import ProcessWriter, next_generation
@@ -39,6 +39,7 @@ class WriterKeeping:
     _closed: bool
     _stage_pool: Any
     _restarting = False  # _live_writer is starting a successor
+    _store_refused: bool | None = None  # the job store refused a connection (asked once, _store_gone)
 
     _persisted: Callable[..., None]  # SavePipeline's: an upload's outcome (here: one the dead writer left)
     def _writer_died(self) -> None:
@@ -72,8 +73,8 @@ class WriterKeeping:
             gone = self._writer_gone()
             if gone is not None:
                 raise gone
+            self._restarting = True  # first: the last restart is under way, not gone yet (_writer_gone)
             self._writer_restarts += 1
-            self._restarting = True  # the last restart is under way: not gone yet (_writer_gone)
             with self._lock:
                 uploads = list(self._uploads)
             for timeline, step in uploads:  # their slots must not stay pinned for an upload that is gone
@@ -129,7 +130,7 @@ class WriterKeeping:
     def _writer_gone(self) -> WriterProcessDied | None:
         """Why this rank saves no more: its writer died after its last restart; else None."""
         dead = getattr(self._writer, "dead", None)
-        if dead is not None and not self._restarting and LOST_STORE in str(dead):
+        if dead is not None and not self._restarting and LOST_STORE in str(dead) and self._store_gone():
             return WriterProcessDied(f"{dead}. A new writer would find the job store gone too: none is started")
         if dead is None or self._writer_restarts < MAX_WRITER_RESTARTS or self._restarting:
             return None  # alive, or its last successor is starting (the dead one is still self._writer)
@@ -137,6 +138,15 @@ class WriterKeeping:
             f"{dead}. It was started again {self._writer_restarts} times in this job and is not "
             f"started again: look for what kills it (its stderr, the kernel log: out of memory?), "
             f"then restart the job - it resumes from the newest complete step")
+
+    def _store_gone(self) -> bool:
+        """The job store refuses connections (rank 0's process is gone), asked once: a
+        writer that died of a connect that timed out (a store alive but slow) is started
+        again as usual."""
+        if self._store_refused is None:
+            store = self._writer_params.store
+            self._store_refused = store is not None and refused(store.host, store.port) is not None
+        return self._store_refused
 
     def _announce(self, state: str) -> None:
         params = self._writer_params

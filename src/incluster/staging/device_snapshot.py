@@ -165,9 +165,10 @@ class DeviceSnapshots:
             room = min(free, total - torch.cuda.max_memory_reserved(dev)) + have - spare
             why = (f"{need / GiB:.2f} GiB needed, {max(room, 0) / GiB:.2f} GiB of cuda:{dev} left that this job "
                    f"never used (set gpu_snapshot=<bytes> to allow more)")
-        else:
-            room = self.setting
-            why = f"{need / GiB:.2f} GiB needed, gpu_snapshot={self.setting} bytes allowed"
+        else:  # a cap: never past what the driver reports free (a try that fails stalls the device)
+            room = min(self.setting, free + have)
+            why = f"{need / GiB:.2f} GiB needed, gpu_snapshot={self.setting} bytes allowed" + (
+                "" if room == self.setting else f", {(free + have) / GiB:.2f} GiB of cuda:{dev} free")
         if need > room:
             self._say(f"room{need}", f"incluster: no device-side snapshot ({why}); copying device-to-host "
                       f"directly, so the optimizer step waits for PCIe after each save")
