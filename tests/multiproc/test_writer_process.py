@@ -438,12 +438,12 @@ def test_saves_made_while_the_last_restart_starts_its_writer_are_not_refused(loc
     from incluster.saving import MAX_WRITER_RESTARTS
 
     spawner = writer_keeping.writer_spawner()
-    started = threading.Event()
+    started, release = threading.Event(), threading.Event()
 
     class Slow:
-        def submit(self, *a, **k):
+        def submit(self, *a, **k):  # a fresh interpreter on a busy node: held until save(2) was made
             started.set()
-            time.sleep(1.5)  # a fresh interpreter on a busy node
+            release.wait(30)
             return spawner.submit(*a, **k)
 
     with incluster.Checkpointer(local_dir=local_dir, job="w") as ck:
@@ -456,6 +456,7 @@ def test_saves_made_while_the_last_restart_starts_its_writer_are_not_refused(loc
         os.kill(ck.writer_pid, signal.SIGKILL)
         assert started.wait(30)
         h = ck.save(2, {"w": torch.full((10,), 2.0)})  # during the last restart: waits for it
+        release.set()
         h.wait(60)
         target = {"w": torch.zeros(10)}
         assert ck.load(target) == 2 and torch.equal(target["w"], torch.full((10,), 2.0))

@@ -132,17 +132,19 @@ def test_a_handler_that_interrupts_a_wait_blocked_on_a_saves_outcome_still_saves
     from incluster.staging.engine import Stager
 
     run = Stager.run
+    gate = threading.Event()
 
-    def slow(self, job):  # the save stays in flight while wait() blocks on it
-        time.sleep(0.6)
+    def held(self, job):  # save 1 stays in flight until the handler runs: wait() blocks on it
+        gate.wait(30)
         return run(self, job)
 
-    monkeypatch.setattr(Stager, "run", slow)
+    monkeypatch.setattr(Stager, "run", held)
     state = {"w": torch.arange(100.0)}
     ck = incluster.Checkpointer(local_dir=local_dir, job="sig4", writer="thread", slot_timeout_s=20)
     done: list[int] = []
 
     def handler(*_):
+        gate.set()
         ck.save(2, {"w": state["w"] + 1}).wait(30)
         done.append(2)
 
