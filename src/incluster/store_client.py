@@ -9,11 +9,11 @@ a :class:`~incluster.errors.StoreLostError` naming the store and what it means. 
 whose connection broke fails its later calls at once (each failed try logs a backtrace),
 and for ``LOST_S`` after a broken or refused connection new clients of that address fail
 at once too, unless one connects meanwhile. A timeout is never taken for a lost store.
-A new client first tries a plain TCP connect: refused, the store is gone at once
-(TCPStore itself retries a refused connect for its whole timeout - 60 s for a writer -
-then says it "timed out", so a writer started after rank 0 died stalled every save); it
-then connects in tries of ``TRY_S``, the plain connect again before each (the store may
-die between the two).
+TCPStore retries a refused connect for its whole timeout, then says it "timed out": a
+client made after rank 0 died (a writer starting) waits that long. A plain TCP connect
+before each client found that at once, but made several multi-rank failure paths ~5 s
+slower for a reason not yet found, so it is not done; :func:`refused` asks only when a
+writer died of a lost store (``writer_keeping._store_gone``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from incluster.errors import StoreLostError
 
 LOST_STORE = "lost the job store"  # how every such error begins (a writer that died of it is not started again)
 LOST_S = 60.0  # how long new clients of a store found gone fail at once
-PROBE_S = 2.0  # a plain connect's timeout before each new client (a refused one: the store is gone)
-TRY_S = 5.0  # a new client connects in tries this long, the plain connect before each
+PROBE_S = 2.0  # refused()'s plain connect timeout
 _lost: dict[tuple[str, int], tuple[str, float]] = {}
 _GONE = ("broken pipe", "connection reset", "got 0 bytes", "connection refused", "connection was likely closed")
 
@@ -40,24 +39,13 @@ def connect(host: str, port: int, timeout_s: float) -> "LostAware":
     known = _lost.get((host, port))
     if known is not None and time.monotonic() - known[1] < LOST_S:
         raise StoreLostError(known[0])
-    deadline = time.monotonic() + timeout_s
-    while True:  # TCPStore retries a refused connect for its whole timeout, then says "timed out": in short tries
-        refused_by = refused(host, port)
-        if refused_by is not None:
-            raise StoreLostError(_why(host, port, refused_by)) from None
-        left = deadline - time.monotonic()
-        try:
-            store = TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=max(1.0, min(TRY_S, left))))
-            store.set_timeout(datetime.timedelta(seconds=timeout_s))  # its calls' timeout
-            break
-        except Exception as exc:
-            if _network(exc) and not _gone(exc) and deadline - time.monotonic() > 1.0:
-                time.sleep(0.1)
-                continue  # no answer within the try (TCPStore adds its own back-off): is anything listening now?
-            if _network(exc):
-                raise StoreLostError(_why(host, port, exc)) from None
-            raise
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+    except Exception as exc:
+        if _network(exc):
+            raise StoreLostError(_why(host, port, exc)) from None
+        raise
     _lost.pop((host, port), None)  # it answers again
     return LostAware(store, host, port)
 
