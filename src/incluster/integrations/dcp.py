@@ -70,7 +70,7 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
     paths = getattr(meta, "planner_data", None)
     if not isinstance(paths, dict):
         return
-    gaps: list[list[Any]] = []  # lists filled here: their unnamed positions become {} at the end
+    gaps: dict[int, list[Any]] = {}  # lists filled here, by id: their unnamed positions become {} at the end
     keys: dict[int, dict[str, Any]] = {}  # id of a dict -> its keys by str() (DCP's path names them so)
     for fqn, item in meta.state_dict_metadata.items():
         path = paths.get(fqn)
@@ -83,7 +83,7 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
             last = i == len(path) - 1
             made: Any = leaf if last else ([] if isinstance(path[i + 1], int) else {})
             if isinstance(made, list):
-                gaps.append(made)
+                gaps[id(made)] = made
             if isinstance(node, dict) and not isinstance(part, int):
                 part = _key_of(node, part, keys)
                 if part not in node:
@@ -92,13 +92,13 @@ def _fill_containers(state: Mapping[str, Any], meta: Any) -> None:
             elif isinstance(node, list) and isinstance(part, int):
                 if part >= len(node):
                     node.extend([_GAP] * (part + 1 - len(node)))
-                    gaps.append(node)
+                    gaps[id(node)] = node
                 if node[part] is _GAP:
                     node[part] = made
             else:
                 break  # the live state has another shape here: DCP loads what fits, as it would
             node = node[part]
-    for made in gaps:
+    for made in gaps.values():
         made[:] = [{} if v is _GAP else v for v in made]
 
 

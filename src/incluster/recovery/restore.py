@@ -193,9 +193,7 @@ class _Run:
             if mine.step is None:
                 if self.dirty:  # every copy left was bad: "nothing saved" would start from a torn state
                     raise NoCheckpointError("no step is left with a good copy of every rank's shard")
-                if mine.afresh:  # the never-complete copies go: the new run saves those step numbers again
-                    ctx.ring.reset_to(None)
-                    abandon_newer(ctx.local_dir, ctx.job, -1, ctx.ring)
+                self._settle(mine)  # afresh: the never-complete copies go
                 return
             if mine.forwarding:  # rebuild lost shards where identical bytes are, then plan again
                 rebuilt, bad = forward_sidecars(ctx, mine)
@@ -305,6 +303,9 @@ class _Run:
         the one copy missing could no longer restore them), and set-aside records with them."""
         ctx, step = self.ctx, mine.step
         if step is None:
+            if mine.afresh:  # no step was ever complete: the new run saves those step numbers again
+                ctx.ring.reset_to(None)
+                abandon_newer(ctx.local_dir, ctx.job, -1, ctx.ring)
             return
         ctx.ring.reset_to(step)
         abandon_newer(ctx.local_dir, ctx.job, step, ctx.ring)

@@ -183,7 +183,7 @@ class DeviceSnapshots:
                 self.filled.record(torch.cuda.current_stream(dev))
         except torch.cuda.OutOfMemoryError:
             # Each failed try has the caching allocator free every cached block and try again
-            # (a device-wide stall): a buffer this large is not tried again in this process.
+            # (a device-wide stall): a buffer this large is not tried again for RETRY_S.
             self._failed[dev] = (min(need, self._failed.get(dev, (need, 0.0))[0]), time.monotonic())
             self._say(f"oom{need}", f"incluster: could not allocate the {need / GiB:.2f} GiB device-side "
                       f"snapshot on cuda:{dev}; copying device-to-host directly (tried again in {RETRY_S / 60:.0f} min)")
